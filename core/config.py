@@ -1,0 +1,170 @@
+"""Scheduler configuration: one validated, immutable object.
+
+Precedence for every field: explicit argument > ``COMMSCHED_<FIELD>`` environment
+variable > default. :func:`read_environment` is the only place in commsched that
+reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+__all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "parse_size", "read_environment"]
+
+ENV_PREFIX = "COMMSCHED_"
+ORDERINGS = ("dynamic", "static", "fifo")
+
+_UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<unset>"})()
+
+_DEFAULTS: dict[str, Any] = {
+    "partition_bytes": 4 << 20,
+    "credit_bytes": 16 << 20,
+    "ordering": "dynamic",
+    "cross_iteration": True,
+    "timeout_s": 300.0,
+    "timeline": None,
+}
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return the ``COMMSCHED_<FIELD>`` overrides present in ``environ`` (default ``os.environ``).
+
+    Keys are field names of :class:`SchedulerConfig`; values are the raw strings.
+    """
+    env = os.environ if environ is None else environ
+    found = {}
+    for f in fields(SchedulerConfig):
+        key = ENV_PREFIX + f.name.upper()
+        if key in env:
+            found[f.name] = env[key]
+    return found
+
+
+def parse_size(value: Any, field: str = "size") -> int:
+    """Parse a byte count: an int, or a string such as ``"4194304"``, ``"4MiB"``, ``"1mb"``.
+
+    Raises ``ValueError`` naming ``field`` for anything that is not a positive whole
+    number of bytes.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field}={value!r} is not a byte count; give a positive integer such as 4194304 or '4MiB'")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"{field}={value!r} is not a byte count; give a positive integer such as 4194304, "
+                f"or a number with a unit in {sorted(u for u in _SIZE_UNITS if u)} such as '4MiB'"
+            )
+        number = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ValueError(f"{field}={value!r} is not a byte count; give a positive integer such as 4194304 or '4MiB'")
+    if number <= 0:
+        raise ValueError(f"{field}={value!r} must be a positive number of bytes (at least 1)")
+    return number
+
+
+def _parse_ordering(value: Any, field: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in ORDERINGS:
+        raise ValueError(f"{field}={value!r} is not a known ordering; use one of {', '.join(ORDERINGS)}")
+    return value.strip().lower()
+
+
+def _parse_bool(value: Any, field: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{field}={value!r} is not a boolean; use True/False (or 1/0, true/false, yes/no, on/off in the environment)")
+
+
+def _parse_timeout(value: Any, field: str) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{field}={value!r} must be a finite number of seconds greater than 0, such as 300")
+    return number
+
+
+def _parse_timeline(value: Any, field: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{field}={value!r} must be a file path (str or os.PathLike) or None to disable the timeline")
+    return value or None
+
+
+_PARSERS = {
+    "partition_bytes": parse_size,
+    "credit_bytes": parse_size,
+    "ordering": _parse_ordering,
+    "cross_iteration": _parse_bool,
+    "timeout_s": _parse_timeout,
+    "timeline": _parse_timeline,
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How commsched partitions, orders and paces communication.
+
+    Attributes:
+        partition_bytes: largest piece, in bytes (rounded down to whole elements; a
+            piece holds at least one element). Default 4 MiB.
+        credit_bytes: most bytes in flight at once. A single piece larger than the
+            credit may go alone when nothing else is in flight. Default 16 MiB.
+        ordering: ``"dynamic"`` (rank 0 decides each next piece and publishes it),
+            ``"static"`` (the order observed in the first step, then fixed on every
+            rank), or ``"fifo"`` (local ready order; only for engines that agree on
+            order themselves, and as a baseline). Default ``"dynamic"``.
+        cross_iteration: let the next forward start layer by layer while later
+            layers are still communicating. Default True.
+        timeout_s: longest any wait may block before raising ``CommschedTimeout``.
+            Default 300.
+        timeline: path of a Chrome-trace JSON file to write, or None. Default None.
+
+    Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
+    default. Invalid values raise ``ValueError`` naming the field, the value and
+    what is allowed, here at construction.
+    """
+
+    partition_bytes: int = _UNSET
+    credit_bytes: int = _UNSET
+    ordering: str = _UNSET
+    cross_iteration: bool = _UNSET
+    timeout_s: float = _UNSET
+    timeline: str | None = _UNSET
+
+    def __post_init__(self) -> None:
+        env = None
+        for f in fields(self):
+            value = getattr(self, f.name)
+            source = f.name
+            if value is _UNSET:
+                if env is None:
+                    env = read_environment()
+                if f.name in env:
+                    value = env[f.name]
+                    source = ENV_PREFIX + f.name.upper()
+                else:
+                    value = _DEFAULTS[f.name]
+            object.__setattr__(self, f.name, _PARSERS[f.name](value, source))

@@ -1,0 +1,65 @@
+"""The small key-value store used to agree on order across ranks.
+
+Plugins adapt their framework's rendezvous store (torch's c10d ``Store``, for
+instance) to :class:`Store`. :class:`InMemoryStore` serves threads-as-ranks tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+__all__ = ["InMemoryStore", "Store"]
+
+
+class Store(Protocol):
+    """A key-value store shared by all ranks.
+
+    ``get`` blocks until the key exists or ``timeout_s`` passes, then raises
+    ``TimeoutError``; it must not hold Python's GIL while it waits. ``check``
+    never blocks.
+    """
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str, timeout_s: float) -> bytes: ...
+
+    def check(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+class InMemoryStore:
+    """A :class:`Store` for ranks that are threads of one process."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._cv:
+            self._data[key] = bytes(value)
+            self._cv.notify_all()
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while key not in self._data:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"key {key!r} not set within {timeout_s:g} s")
+                self._cv.wait(left)
+            return self._data[key]
+
+    def check(self, key: str) -> bool:
+        with self._cv:
+            return key in self._data
+
+    def delete(self, key: str) -> None:
+        with self._cv:
+            self._data.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._data)
