@@ -8,7 +8,8 @@ Data flows down (``submit`` → pieces → ``Backend.start``) and completions fl
   engine's own threads never run user code;
 * ``publish`` (rank 0, ``dynamic``/``static``) sends rank 0's decisions to the
   others through the store, in batches, without blocking ``dispatch``;
-* ``order`` (other ranks, ``dynamic``/``static``) reads those decisions.
+* ``order`` (other ranks, ``dynamic``/``static``) reads those decisions from its
+  own queue in the store (blocking, so no polling; ``close()`` wakes it).
 
 Invariants (tested in ``tests/core``):
 
@@ -104,7 +105,6 @@ class Piece:
     issued: bool = False
     done: bool = False
     issued_us: float = 0.0
-    batch: int = -1
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -168,9 +168,6 @@ class Scheduler:
         # order agreement
         self._agreed: collections.deque[tuple] = collections.deque()
         self._publish_buf: list[str] = []
-        self._publish_seq = 0
-        self._deleted_upto = 0
-        self._max_done_batch = -1
         self._end_sent_upto = 0  # steps < this have had their END marker published
         self._plan: list[str] | None = None
         self._plan_names: set[str] = set()
@@ -393,6 +390,11 @@ class Scheduler:
             self._dispatch_cv.notify_all()
             self._publish_cv.notify_all()
             self._complete_cv.notify_all()
+        if self._mode == "follower" and self._store is not None:
+            try:  # wake our own order reader, blocked in pop()
+                self._store.push(self._key(f"q{self.rank}"), b"C")
+            except Exception as exc:
+                log.debug("could not wake the order reader: %r", exc)
         current = threading.current_thread()
         threads = self._threads + ([self._abort_thread] if self._abort_thread is not None else [])
         for thread in threads:
@@ -487,6 +489,8 @@ class Scheduler:
 
     def _next_from_plan(self) -> Piece | None:
         assert self._plan is not None
+        if not self._plan:  # the profiling step communicated nothing (only zero-size tensors)
+            return None
         name = self._plan[self._plan_pos]
         piece = self._unissued.get((self._plan_step, name))
         if piece is None:
@@ -631,8 +635,6 @@ class Scheduler:
             piece.done = True
             self._in_flight.pop(id(piece), None)
             self._in_flight_bytes -= piece.nbytes
-            if piece.batch > self._max_done_batch:
-                self._max_done_batch = piece.batch
             task = piece.task
             if exc is not None:
                 error = CommunicationError(
@@ -703,23 +705,15 @@ class Scheduler:
                     return
                 lines = self._publish_buf
                 self._publish_buf = []
-                batch = self._publish_seq
-                self._publish_seq += 1
-                # A published piece cannot finish before every rank read its batch, so
-                # the in-flight pieces without a batch are exactly those in `lines`.
-                for piece in self._in_flight.values():
-                    if piece.batch < 0:
-                        piece.batch = batch
-                gc_upto = min(self._max_done_batch, batch - 1)
-            store.set(self._key(f"o/{batch}"), "\n".join(lines).encode())
-            while self._deleted_upto <= gc_upto:  # every rank has read these batches
-                store.delete(self._key(f"o/{self._deleted_upto}"))
-                self._deleted_upto += 1
+            # One queue per follower: a pop removes what was read, so nothing accumulates.
+            payload = "\n".join(lines).encode()
+            for rank in range(1, self.world_size):
+                store.push(self._key(f"q{rank}"), payload)
 
     def _order_loop(self) -> None:
         store = self._store
         assert store is not None
-        seq = 0
+        queue = self._key(f"q{self.rank}")
         while True:
             with self._lock:
                 if self._closing or self._error is not None:
@@ -727,10 +721,9 @@ class Scheduler:
                 if self._plan is not None:
                     return  # static: nothing more is published
             try:
-                raw = store.get(self._key(f"o/{seq}"), _POLL_S)
+                raw = store.pop(queue, self.config.timeout_s)
             except TimeoutError:
-                self._check_remote_abort(background=True)
-                continue
+                continue  # idle (evaluation, say); waits of the user's thread have their own timeouts
             except Exception as exc:  # the store went away (process group destroyed, rank 0 gone)
                 # Not an error yet: rank 0 may simply have finished first. It becomes one
                 # if this rank still has pieces waiting for rank 0's decisions.
@@ -738,8 +731,14 @@ class Scheduler:
                     self._order_lost = exc
                     self._dispatch_cv.notify()
                 return
+            text = raw.decode()
+            if text == "C":  # this rank's own close() woke us
+                return
+            if text.startswith("A\t"):  # another rank failed
+                self._fail(RemoteAbort(f"another rank failed, so this one stops too: {text[2:]}"))
+                return
             entries = []
-            for line in raw.decode().split("\n"):
+            for line in text.split("\n"):
                 kind, step, rest = (line.split("\t", 2) + ["", ""])[:3]
                 if kind == "L":
                     entries.append(("L", int(step), rest.split("\x1f") if rest else []))
@@ -750,7 +749,6 @@ class Scheduler:
                 self._dispatch_cv.notify()
                 if any(e[0] == "L" for e in entries):
                     return
-            seq += 1
 
     # ------------------------------------------------------------- failures
     def _fail(self, error: BaseException, cause: BaseException | None = None) -> None:
@@ -774,9 +772,14 @@ class Scheduler:
             self._abort_thread.start()
 
     def _publish_abort(self, error: BaseException) -> None:
+        message = f"rank {self.rank}: {error}"
         try:
             assert self._store is not None
-            self._store.set(self._key("abort"), f"rank {self.rank}: {error}".encode())
+            self._store.set(self._key("abort"), message.encode())
+            if self._mode in ("leader", "follower"):  # wake the other ranks' order readers
+                for rank in range(1, self.world_size):
+                    if rank != self.rank:
+                        self._store.push(self._key(f"q{rank}"), f"A\t{message}".encode())
         except Exception as exc:  # best effort: the store may be gone too
             log.debug("could not publish the abort: %r", exc)
 

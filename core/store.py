@@ -6,6 +6,7 @@ instance) to :class:`Store`. :class:`InMemoryStore` serves threads-as-ranks test
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Protocol
@@ -14,10 +15,12 @@ __all__ = ["InMemoryStore", "Store"]
 
 
 class Store(Protocol):
-    """A key-value store shared by all ranks.
+    """A key-value store shared by all ranks, with FIFO queues.
 
     ``get`` blocks until the key exists or ``timeout_s`` passes, then raises
-    ``TimeoutError``; it must not hold Python's GIL while it waits. ``check``
+    ``TimeoutError``; ``pop`` likewise waits for a value pushed on a queue. Neither
+    may hold Python's GIL while it waits, and a ``pop`` blocked on one thread must
+    not block other threads' calls (use a separate connection for it). ``check``
     never blocks.
     """
 
@@ -29,12 +32,17 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    def push(self, queue: str, value: bytes) -> None: ...
+
+    def pop(self, queue: str, timeout_s: float) -> bytes: ...
+
 
 class InMemoryStore:
     """A :class:`Store` for ranks that are threads of one process."""
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
+        self._queues: dict[str, collections.deque[bytes]] = collections.defaultdict(collections.deque)
         self._cv = threading.Condition()
 
     def set(self, key: str, value: bytes) -> None:
@@ -60,6 +68,22 @@ class InMemoryStore:
         with self._cv:
             self._data.pop(key, None)
 
-    def __len__(self) -> int:
+    def push(self, queue: str, value: bytes) -> None:
         with self._cv:
-            return len(self._data)
+            self._queues[queue].append(bytes(value))
+            self._cv.notify_all()
+
+    def pop(self, queue: str, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while not self._queues[queue]:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"queue {queue!r} stayed empty for {timeout_s:g} s")
+                self._cv.wait(left)
+            return self._queues[queue].popleft()
+
+    def __len__(self) -> int:
+        """Keys plus values waiting in queues (to check that nothing accumulates)."""
+        with self._cv:
+            return len(self._data) + sum(len(q) for q in self._queues.values())

@@ -1,0 +1,1 @@
+"""Framework plugins: ``commsched.plugins.torch``, ``.tensorflow``, ``.mxnet``."""
