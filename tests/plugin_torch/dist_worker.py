@@ -1,0 +1,188 @@
+"""One rank of a multi-process test: trains with commsched and with plain synchronous
+all-reduce side by side, and writes what it saw as JSON. Run by tests through
+``conftest.run_ranks``; every scenario is selected by command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import commsched
+from commsched.plugins.torch import DistributedOptimizer
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Tied(nn.Module):
+    """Embedding reused as the output layer (GPT-style tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, idx):
+        h = torch.tanh(self.mix(self.embed(idx)))
+        return h @ self.embed.weight.t()
+
+
+class Branchy(nn.Module):
+    """A branch that is never used (or used only on some ranks, with --unused-on-rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.unused = nn.Linear(16, 4)
+        self.use_unused = False
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.head(h) + (self.unused(h) if self.use_unused else 0)
+
+
+def build(kind, dtype):
+    torch.manual_seed(1234)
+    return {"mlp": lambda: MLP(dtype), "tied": Tied, "branchy": Branchy}[kind]()
+
+
+def batch(kind, rank, step, dtype):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if kind == "tied":
+        return torch.randint(0, 50, (8, 6), generator=g), None
+    x = torch.randn(8, 16, generator=g).to(dtype)
+    return x, torch.randn(8, 4, generator=g).to(dtype)
+
+
+def loss_of(kind, out, y):
+    if kind == "tied":
+        return out.float().logsumexp(-1).mean()
+    return ((out.float() - y.float()) ** 2).mean()
+
+
+SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynamic", partition=256, credit=1024,
+                         steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
+                         state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False)
+
+
+def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
+    """Train ``sc['steps']`` steps with commsched and with plain synchronous all-reduce; compare."""
+    dtype = getattr(torch, sc["dtype"])
+    result: dict = {}
+    model, ref = build(sc["model"], dtype), build(sc["model"], dtype)
+    if sc["model"] == "branchy" and sc["unused_on_rank"] == rank:
+        model.use_unused = ref.use_unused = True
+    config = commsched.SchedulerConfig(partition_bytes=sc["partition"], credit_bytes=sc["credit"],
+                                       ordering=sc["ordering"], cross_iteration=bool(sc["cross"]),
+                                       timeout_s=20, timeline=sc["timeline"])
+    opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](model.parameters()), model, backend="torch",
+                               config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"])
+    try:
+        ref_opt = OPTIMIZERS[sc["optimizer"]](ref.parameters())
+        sched = ref_sched = None
+        if sc["lr_scheduler"]:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+        rng = random.Random(rank * 7919)
+        if sc["delay"] > 0:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: time.sleep(rng.random() * sc["delay"]))
+        for step in range(sc["steps"]):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(sc["accum"]):
+                x, y = batch(sc["model"], rank, step * sc["accum"] + micro, dtype)
+                last = micro == sc["accum"] - 1
+                ctx = opt.no_sync() if (sc["no_sync"] and not last) else contextlib.nullcontext()
+                with ctx:
+                    loss_of(sc["model"], model(x), y).backward()
+                loss_of(sc["model"], ref(x), y).backward()
+            opt.step()
+            for p in ref.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=ref_group)
+                    p.grad.div_(world)
+            ref_opt.step()
+            if sched is not None:
+                sched.step()
+                ref_sched.step()
+            if sc["state_roundtrip"] and step == sc["steps"] // 2:
+                saved = opt.state_dict()
+                opt.load_state_dict(saved)
+                result["state_equal_format"] = (
+                    sorted(saved["state"].keys()) == sorted(ref_opt.state_dict()["state"].keys())
+                    and saved["param_groups"][0].keys() == ref_opt.state_dict()["param_groups"][0].keys())
+        opt.synchronize()
+        diffs = {}
+        bitwise = True
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            diffs[name] = float((p.detach().double() - q.detach().double()).abs().max())
+            bitwise &= bool(torch.equal(p, q))
+        stats = opt.stats()
+        result.update(bitwise=bitwise, max_diff=max(diffs.values()), diffs=diffs,
+                      stats={k: v for k, v in stats.items() if k != "scheduler"},
+                      order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"])
+    except Exception as exc:  # reported to the test, which asserts on it
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        try:
+            opt.close()
+        except Exception as exc:
+            result.setdefault("error", f"{type(exc).__name__}: {exc}")
+    result["threads_after_close"] = [t.name for t in threading.enumerate() if t.name.startswith("commsched")]
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scenario", action="append", default=[], help="JSON dict of SCENARIO_DEFAULTS overrides")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_group = dist.new_group(backend="gloo")  # the reference's all-reduces, apart from commsched's
+    results = []
+    for raw in args.scenario or ["{}"]:
+        sc = dict(SCENARIO_DEFAULTS, **json.loads(raw))
+        results.append(dict(run_scenario(sc, rank, world, ref_group), scenario=sc, rank=rank))
+        if "error" in results[-1]:
+            break  # the process group may be unusable now
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, default=str)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
