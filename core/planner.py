@@ -1,0 +1,248 @@
+"""Offline replay of the scheduler's priority-and-credit queue: a fixed issue order.
+
+The live :class:`~commsched.scheduler.Scheduler` decides which piece goes next at
+run time. Some engines cannot ask anything at run time: a TensorFlow step is a
+graph, and the order of its collectives must be written into the graph before
+it runs, identically on every worker. For them this module *replays* the same
+queue on a model of the backward pass and returns the order it would produce.
+
+The replay uses the scheduler's own definitions:
+
+* **partition**: tensors are cut with :func:`commsched.partition.piece_bounds`;
+  pieces are named ``"<tensor>#<index>"`` as in the scheduler;
+* **priority**: smaller is more urgent (0 = what the next forward needs first);
+  among ready pieces the smallest ``(priority, seq, index)`` starts first, where
+  ``seq`` is the order in which tensors became ready (their submission order),
+  so ties are stable. With ``ordering="fifo"`` the key is ``(seq, index)``;
+* **credit**: bytes in flight ≤ ``credit_bytes``, except that one piece larger
+  than the credit may go alone when nothing else is in flight; the queue is
+  head-of-line (if the most urgent ready piece does not fit, nothing starts);
+* **slots** (optional): at most ``slots`` pieces in flight. An engine that paces
+  by a fixed number of ordering chains (TensorFlow's ordering tokens) passes its
+  number of chains; each planned piece records the slot (chain) it runs on.
+
+The readiness model (:func:`backward_ready_times`): backward produces gradients
+in reverse forward order, each after a time proportional to its size; the link
+(:class:`CostModel`) carries one piece after another (a serial, pipelined link).
+Only the *order* of the result is used by engines; the modelled times are for
+the timeline and for tests. Pure priority order without readiness would send
+nothing until backward ends (layer 0's gradient is ready last): the replay
+interleaves readiness with priority because only *ready* pieces compete.
+
+Guarantees of :func:`plan` (tested in ``tests/core/test_planner.py``):
+
+1. every piece of every tensor appears exactly once, with the bounds of
+   ``piece_bounds``;
+2. at every issue, bytes in flight ≤ credit (or one piece alone) and pieces in
+   flight ≤ slots; a slot's next piece starts only after its previous one ended;
+3. a piece starts no earlier than it is ready, and when it starts no ready,
+   unstarted piece has a smaller key;
+4. the queue is work-conserving: it never idles while the most urgent ready
+   piece fits;
+5. the result is a pure function of the arguments (identical on every worker).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from commsched.config import ORDERINGS
+from commsched.partition import piece_bounds
+
+__all__ = ["CostModel", "Plan", "PlannedPiece", "PlanTensor", "backward_ready_times", "plan"]
+
+
+@dataclass(frozen=True)
+class PlanTensor:
+    """A tensor to reduce: its size, its priority and when backward produces it.
+
+    ``priority``: smaller is more urgent (forward-use order). ``ready``: modelled
+    time (seconds) at which its gradient exists.
+    """
+
+    name: str
+    numel: int
+    element_size: int
+    priority: int
+    ready: float = 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The link and the backward pass, as simple rates.
+
+    A piece of ``n`` bytes occupies the link for ``n / link_bytes_per_s`` seconds
+    and arrives ``latency_s`` later; pieces use the link one after another.
+    Backward produces ``backward_bytes_per_s`` bytes of gradient per second.
+    """
+
+    link_bytes_per_s: float = 1.25e8  # 1 Gbit/s
+    latency_s: float = 2e-4  # software cost of one collective, measured 150-350 us
+    backward_bytes_per_s: float = 1.25e8
+
+    def __post_init__(self) -> None:
+        if not (self.link_bytes_per_s > 0 and self.backward_bytes_per_s > 0 and self.latency_s >= 0):
+            raise ValueError(f"CostModel needs positive rates and a latency >= 0, got {self!r}")
+
+
+@dataclass(frozen=True)
+class PlannedPiece:
+    """One piece in the plan: which tensor, which elements, when and on which slot."""
+
+    tensor: int  # index into the tensors given to plan()
+    index: int  # piece index within the tensor
+    name: str  # "<tensor name>#<index>", as the scheduler names pieces
+    start: int
+    stop: int
+    nbytes: int
+    priority: int
+    seq: int
+    slot: int  # the chain it runs on, 0..slots-1; -1 when plan() had no slot limit
+    ready: float
+    issue: float
+    finish: float
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """The queue key under priority ordering: ``(priority, seq, index)``."""
+        return (self.priority, self.seq, self.index)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The replayed schedule: ``pieces`` in issue order (the order every worker uses)."""
+
+    pieces: tuple[PlannedPiece, ...]
+    credit_bytes: int
+    partition_bytes: int
+    slots: int | None
+    ordering: str
+
+    @property
+    def order(self) -> list[str]:
+        """Piece names in issue order."""
+        return [p.name for p in self.pieces]
+
+    @property
+    def makespan(self) -> float:
+        """Modelled time at which the last piece arrives."""
+        return max((p.finish for p in self.pieces), default=0.0)
+
+    def by_tensor(self) -> list[list[PlannedPiece]]:
+        """For each tensor (in the order given to :func:`plan`), its pieces by index."""
+        count = 1 + max((p.tensor for p in self.pieces), default=-1)
+        out: list[list[PlannedPiece]] = [[] for _ in range(count)]
+        for p in self.pieces:
+            out[p.tensor].append(p)
+        for pieces in out:
+            pieces.sort(key=lambda p: p.index)
+        return out
+
+
+def backward_ready_times(nbytes: Sequence[int], cost: CostModel | None = None) -> list[float]:
+    """Modelled ready time of each gradient, for tensors listed in forward order.
+
+    Backward walks the list from the end: the last tensor's gradient is ready
+    first, after ``nbytes[-1] / backward_bytes_per_s``; tensor ``i`` is ready
+    once every tensor ``j >= i`` has been produced.
+    """
+    cost = cost or CostModel()
+    times = [0.0] * len(nbytes)
+    total = 0.0
+    for i in range(len(nbytes) - 1, -1, -1):
+        total += nbytes[i] / cost.backward_bytes_per_s
+        times[i] = total
+    return times
+
+
+def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int, *,
+         slots: int | None = None, ordering: str = "dynamic", cost: CostModel | None = None) -> Plan:
+    """Replay the priority-and-credit queue and return the order it issues pieces in.
+
+    Args:
+        tensors: what to reduce; ``ready`` times as from :func:`backward_ready_times`.
+        partition_bytes, credit_bytes: as in :class:`~commsched.config.SchedulerConfig`.
+        slots: at most this many pieces in flight (None: only the credit limits).
+        ordering: ``"dynamic"`` or ``"static"`` (priority among ready pieces; both
+            give the same offline order) or ``"fifo"`` (ready order, priority ignored).
+        cost: the link model (default :class:`CostModel`).
+
+    Raises ``ValueError`` for sizes or slots that are not positive or an unknown ordering.
+    """
+    if ordering not in ORDERINGS:
+        raise ValueError(f"ordering={ordering!r} is not a known ordering; use one of {', '.join(ORDERINGS)}")
+    if partition_bytes <= 0 or credit_bytes <= 0:
+        raise ValueError(f"partition_bytes and credit_bytes must be positive, got {partition_bytes}, {credit_bytes}")
+    if slots is not None and slots < 1:
+        raise ValueError(f"slots={slots!r} must be at least 1 (or None for no limit)")
+    cost = cost or CostModel()
+    fifo = ordering == "fifo"
+
+    # Submission order: tensors enter the queue as they become ready (stable on ties).
+    arrival = sorted(range(len(tensors)), key=lambda i: (tensors[i].ready, i))
+    seq_of = {t: s for s, t in enumerate(arrival)}
+    queue: list[tuple[tuple[int, ...], int, int, int, int]] = []  # (key, tensor, index, start, stop)
+    in_flight: list[tuple[float, int, int]] = []  # heap of (finish, slot, nbytes)
+    free_slots = list(range(slots)) if slots is not None else []
+    slot_free_at = {s: 0.0 for s in free_slots}
+    in_flight_bytes = 0
+    link_free = 0.0
+    now = 0.0
+    next_arrival = 0
+    out: list[PlannedPiece] = []
+
+    def admit(upto: float) -> None:
+        nonlocal next_arrival
+        while next_arrival < len(arrival) and tensors[arrival[next_arrival]].ready <= upto:
+            i = arrival[next_arrival]
+            t = tensors[i]
+            seq = seq_of[i]
+            for index, (lo, hi) in enumerate(piece_bounds(t.numel, t.element_size, partition_bytes)):
+                key = (seq, index) if fifo else (t.priority, seq, index)
+                heapq.heappush(queue, (key, i, index, lo, hi))
+            next_arrival += 1
+
+    while True:
+        admit(now)
+        while in_flight and in_flight[0][0] <= now:
+            _, slot, nbytes = heapq.heappop(in_flight)
+            in_flight_bytes -= nbytes
+            if slots is not None:
+                free_slots.append(slot)
+        # Issue while the most urgent ready piece fits (head-of-line, as the scheduler).
+        while queue:
+            key, i, index, lo, hi = queue[0]
+            t = tensors[i]
+            nbytes = (hi - lo) * t.element_size
+            fits = in_flight_bytes + nbytes <= credit_bytes or in_flight_bytes == 0
+            if not fits or (slots is not None and not free_slots):
+                break
+            heapq.heappop(queue)
+            if slots is not None:
+                # The slot that has been free longest (lowest number on ties): deterministic.
+                slot = min(free_slots, key=lambda s: (slot_free_at[s], s))
+                free_slots.remove(slot)
+            else:
+                slot = -1
+            begin = max(now, link_free)
+            link_free = begin + nbytes / cost.link_bytes_per_s
+            finish = link_free + cost.latency_s
+            if slots is not None:
+                slot_free_at[slot] = finish
+            heapq.heappush(in_flight, (finish, slot, nbytes))
+            in_flight_bytes += nbytes
+            out.append(PlannedPiece(tensor=i, index=index, name=f"{t.name}#{index}", start=lo, stop=hi,
+                                    nbytes=nbytes, priority=t.priority, seq=seq_of[i], slot=slot,
+                                    ready=t.ready, issue=now, finish=finish))
+        events = []
+        if next_arrival < len(arrival):
+            events.append(tensors[arrival[next_arrival]].ready)
+        if in_flight:
+            events.append(in_flight[0][0])
+        if not events:
+            break
+        now = max(now, min(events))
+    return Plan(pieces=tuple(out), credit_bytes=credit_bytes, partition_bytes=partition_bytes, slots=slots,
+                ordering=ordering)
