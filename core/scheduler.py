@@ -628,6 +628,7 @@ class Scheduler:
 
     def _on_piece_done(self, piece: Piece, exc: Optional[BaseException]) -> None:
         end = now_us()
+        remote = self._remote_abort_message(grace_s=1.0) if exc is not None else None
         with self._lock:
             if piece.done:
                 log.error("piece %s completed twice; the engine called done() again (ignored)", piece.name)
@@ -636,7 +637,11 @@ class Scheduler:
             self._in_flight.pop(id(piece), None)
             self._in_flight_bytes -= piece.nbytes
             task = piece.task
-            if exc is not None:
+            if remote is not None:  # the engine failed because another rank stopped: say why it stopped
+                error = RemoteAbort(f"another rank failed, so this one stops too: {remote}")
+                error.__cause__ = exc
+                self._fail_locked(error)
+            elif exc is not None:
                 error = CommunicationError(
                     f"reducing tensor {task.name!r} (piece {piece.index}, elements {piece.start}:{piece.stop}) "
                     f"failed on rank {self.rank}: {exc}", tensor=task.name, piece=piece.index)
@@ -783,15 +788,24 @@ class Scheduler:
         except Exception as exc:  # best effort: the store may be gone too
             log.debug("could not publish the abort: %r", exc)
 
-    def _check_remote_abort(self, background: bool = False) -> None:
+    def _remote_abort_message(self, grace_s: float = 0.0) -> str | None:
+        """Another rank's abort message, waiting up to ``grace_s`` for it to arrive."""
         store = self._store
         if store is None or self.world_size <= 1:
-            return
+            return None
+        deadline = time.monotonic() + grace_s
         try:
-            if not store.check(self._key("abort")):
-                return
-            message = store.get(self._key("abort"), 1.0).decode()
+            while not store.check(self._key("abort")):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)  # failure path only: the other rank is publishing why it stopped
+            return store.get(self._key("abort"), 1.0).decode()
         except Exception:
+            return None
+
+    def _check_remote_abort(self, background: bool = False) -> None:
+        message = self._remote_abort_message()
+        if message is None:
             return
         error = RemoteAbort(f"another rank failed, so this one stops too: {message}")
         with self._lock:

@@ -404,7 +404,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
-            self._scheduler.close()
+            try:
+                self._scheduler.close()
+            finally:
+                close_backend = getattr(self._backend, "close", None)
+                if close_backend is not None:
+                    close_backend()
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, ordering={self.config.ordering!r}, world_size={self.world_size})"

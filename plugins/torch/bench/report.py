@@ -1,0 +1,294 @@
+"""Turn raw phase results into metrics, a markdown table, JSON and a plot.
+
+Definitions (all times are medians over the measured steps, in seconds):
+
+- ``compute_s``: forward + backward + optimizer step without communication,
+  every worker computing at once (as in a real step, sharing the CPUs);
+- ``comm_s``: one all-reduce of all gradient bytes on the same network;
+- ``lower_bound_s = max(compute_s, comm_s)``: no schedule can beat it;
+- ``overlap_ratio = (compute_s + comm_s - step_time_s) / comm_s``: the share
+  of communication hidden behind compute (1 = all, 0 = none, < 0 slower than
+  not overlapping at all);
+- ``efficiency = lower_bound_s / step_time_s``;
+- ``ceiling_speedup_vs_ddp = (forward_s + comm_s) / lower_bound_s``: DDP
+  overlaps communication with backward only, so it pays about
+  ``forward + max(backward, comm)``; this is what perfect scheduling could gain.
+
+See README.md beside this file for the JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+from commsched.bench.cpu import BUSY_WARNING
+
+SCHEMA = "commsched-bench/1"
+
+
+def median(values: Sequence[float]) -> float | None:
+    """Median, ``None`` for no values."""
+    return quantile(values, 0.5)
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated quantile ``q`` in [0, 1]; ``None`` for no values."""
+    s = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not s:
+        return None
+    pos = q * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _max_over_ranks(ranks: list[dict], key: str) -> float | None:
+    """The slowest rank's median of ``key``: in a synchronous step it sets the pace."""
+    meds = [median(r[key]) for r in ranks if r.get(key)]
+    meds = [m for m in meds if m is not None]
+    return max(meds) if meds else None
+
+
+def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
+    """The run's reference numbers from the baseline phase's per-rank results."""
+    fwd = _max_over_ranks(ranks, "forward_s")
+    bwd = _max_over_ranks(ranks, "backward_s")
+    optim = _max_over_ranks(ranks, "optimizer_s")
+    compute = fwd + bwd + optim
+    comm = _max_over_ranks(ranks, "comm_s")
+    fwd_uc = _max_over_ranks(ranks, "forward_under_comm_s")
+    bwd_uc = _max_over_ranks(ranks, "backward_under_comm_s")
+    opt_uc = _max_over_ranks(ranks, "optimizer_under_comm_s")
+    spans = ranks[0]["under_comm_span_s"]
+    lower = max(compute, comm)
+    return {
+        "forward_s": fwd,
+        "backward_s": bwd,
+        "optimizer_s": optim,
+        "compute_s": compute,
+        "compute_one_worker_s": median(ranks[0]["one_worker_s"]),
+        "comm_s": comm,
+        "comm_cpu_busy": ranks[0].get("comm_cpu_busy"),
+        "forward_under_comm_s": fwd_uc,
+        "backward_under_comm_s": bwd_uc,
+        "compute_under_comm_s": fwd_uc + bwd_uc + opt_uc,
+        # Below 1 the all-reduce ended before compute did: only part of the
+        # compute ran under communication.
+        "under_comm_coverage": min(1.0, median([c / max(k, 1e-9) for k, c in spans])),
+        "lower_bound_s": lower,
+        "no_overlap_s": compute + comm,
+        "ceiling_speedup_vs_ddp": (fwd + comm) / lower,
+    }
+
+
+def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
+                       ) -> dict[str, Any]:
+    """One strategy's entry of the report (``phase`` is a runner.PhaseResult)."""
+    entry: dict[str, Any] = {"strategy": phase.name, "status": phase.status}
+    if phase.status != "ok":
+        entry["reason"] = phase.reason
+        for key in ("step_time_s", "speedup_vs_ddp", "bubble_s", "overlap_ratio", "efficiency"):
+            entry[key] = None
+        return entry
+    r0 = phase.ranks[0]
+    steps = r0["step_times_s"]
+    step = median(steps)
+    p25, p75 = quantile(steps, 0.25), quantile(steps, 0.75)
+    bubble, method = _bubble(phase.ranks, baseline)
+    entry.update({
+        "step_time_s": step,
+        "step_time_p25_s": p25,
+        "step_time_p75_s": p75,
+        "step_time_iqr_s": p75 - p25,
+        "mean_step_time_s": r0["total_s"] / len(steps),
+        "step_time_per_rank_s": [median(r["step_times_s"]) for r in phase.ranks],
+        "throughput_samples_s": samples_per_step / step,
+        "speedup_vs_ddp": None,  # filled in by build_report
+        "bubble_s": bubble,
+        "bubble_method": method,
+        "forward_s": _max_over_ranks(phase.ranks, "forward_s"),
+        "backward_s": _max_over_ranks(phase.ranks, "backward_s"),
+        "step_call_s": _max_over_ranks(phase.ranks, "step_call_s"),
+        "cpu_busy": r0["cpu_busy"],
+        "cpu_warning": r0["cpu_busy"] is not None and r0["cpu_busy"] > BUSY_WARNING,
+        "params_consistent": len({r["checksum"] for r in phase.ranks}) == 1,
+        "timeline": r0.get("timeline"),
+        "stats": r0.get("stats") or {},
+    })
+    if baseline is not None:
+        comm, compute = baseline["comm_s"], baseline["compute_s"]
+        entry["overlap_ratio"] = (compute + comm - step) / comm if comm > 0 else None
+        entry["efficiency"] = baseline["lower_bound_s"] / step
+    else:
+        entry["overlap_ratio"] = entry["efficiency"] = None
+    return entry
+
+
+def _bubble(ranks: list[dict], baseline: dict | None) -> tuple[float | None, str]:
+    """Median per-step blocked time, and how it was obtained."""
+    r0 = ranks[0]
+    method = r0.get("bubble_method", "")
+    if r0.get("bubble_s") is not None:
+        per_rank = [median(r["bubble_s"]) for r in ranks if r.get("bubble_s")]
+        per_rank = [b for b in per_rank if b is not None]
+        return (max(per_rank) if per_rank else 0.0), method
+    if baseline is None:
+        return None, method + " (no baseline: not estimated)"
+    if method.startswith("backward()"):  # DDP
+        blocked = [max(0.0, b - baseline["backward_under_comm_s"]) for b in r0["backward_s"]]
+    elif method.startswith("step()"):  # Horovod
+        blocked = [max(0.0, s - baseline["optimizer_s"]) for s in r0["step_call_s"]]
+    else:
+        return None, method + " (strategy reports none)"
+    return median(blocked), method
+
+
+def build_report(config: dict, emulation: str, emulation_note: str, workload: dict,
+                 baseline_phase: Any, phases: list[Any]) -> dict[str, Any]:
+    """The whole JSON document (see README.md) from the runner's phases."""
+    warnings: list[str] = []
+    baseline = None
+    if baseline_phase.status == "ok":
+        baseline = summarize_baseline(baseline_phase.ranks)
+        r0 = baseline_phase.ranks[0]
+        workload = {**workload, "param_bytes": r0["param_bytes"],
+                    "num_params": r0["num_params"], "layers": r0.get("layers", [])}
+        busy = baseline.get("comm_cpu_busy")
+        if busy is not None and busy > BUSY_WARNING:
+            warnings.append(f"CPU busy {busy:.2f} during the all-reduce alone: the CPUs, "
+                            "not the emulated link, limit communication")
+    else:
+        warnings.append(f"baseline failed: {baseline_phase.reason}")
+    samples = config["batch_size"] * config["workers"]
+    results = [summarize_strategy(p, baseline, samples) for p in phases]
+    ddp = next((r for r in results if r["strategy"] == "ddp" and r["status"] == "ok"), None)
+    for r in results:
+        if r["status"] == "ok" and ddp is not None:
+            r["speedup_vs_ddp"] = ddp["step_time_s"] / r["step_time_s"]
+        if r.get("cpu_warning"):
+            warnings.append(f"{r['strategy']}: CPU busy {r['cpu_busy']:.2f} > {BUSY_WARNING}: "
+                            "timings are CPU-bound, not network-bound")
+        if r["status"] == "ok" and not r["params_consistent"]:
+            warnings.append(f"{r['strategy']}: ranks ended with different parameters")
+    return {
+        "schema": SCHEMA,
+        "config": config,
+        "emulation": emulation,
+        "emulation_note": emulation_note,
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                 "machine": platform.machine()},
+        "workload": workload,
+        "baseline": baseline,
+        "results": results,
+        "warnings": warnings,
+    }
+
+
+def _fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _link(report: dict) -> str:
+    """What the links were, e.g. "1gbit (netns)" or "unshaped (loopback)"."""
+    rate = report["config"]["bandwidth"] if report["emulation"] == "netns" else None
+    return f"{rate or 'unshaped'} ({report['emulation']})"
+
+
+def markdown(report: dict) -> str:
+    """The report as a markdown summary and table, for stdout."""
+    cfg, base, wl = report["config"], report["baseline"], report["workload"]
+    lines = [
+        (f"## commsched bench: {cfg['workload']}, {cfg['workers']} workers on "
+         f"{cfg['nodes']} node(s), {_link(report)}"),
+        "",
+        f"- emulation: **{report['emulation']}** ({report['emulation_note']})",
+        (f"- workload: {wl.get('description', '')}; "
+         f"{_fmt(wl.get('param_bytes') and wl['param_bytes'] / 1e6, '.1f')} MB of parameters, "
+         f"batch {cfg['batch_size']} per worker"),
+    ]
+    if base:
+        lines += [
+            (f"- compute {base['compute_s']:.3f} s (forward {base['forward_s']:.3f}, backward "
+             f"{base['backward_s']:.3f}, optimizer {base['optimizer_s']:.3f}; one worker alone "
+             f"{_fmt(base['compute_one_worker_s'])}), under a concurrent all-reduce "
+             f"{base['compute_under_comm_s']:.3f} s"),
+            (f"- comm (all-reduce of all gradients) {base['comm_s']:.3f} s, CPU busy "
+             f"{_fmt(base['comm_cpu_busy'], '.2f')}"),
+            (f"- lower bound max(compute, comm) {base['lower_bound_s']:.3f} s; no overlap "
+             f"{base['no_overlap_s']:.3f} s; speedup ceiling vs ddp "
+             f"(forward + comm) / max(compute, comm) = {base['ceiling_speedup_vs_ddp']:.2f}x"),
+        ]
+    lines += [
+        "",
+        ("| strategy | step s (median) | IQR s | samples/s | speedup vs ddp (ceiling) "
+         "| bubble s | overlap | efficiency | CPU busy |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ceiling = base and base["ceiling_speedup_vs_ddp"]
+    for r in report["results"]:
+        if r["status"] != "ok":
+            reason = (r.get("reason") or "").splitlines()[0][:100] if r.get("reason") else ""
+            lines.append(f"| {r['strategy']} | {r['status']}: {reason} |||||||| ")
+            continue
+        speed = _fmt(r["speedup_vs_ddp"], ".2f", "x")
+        if ceiling:
+            speed += f" ({ceiling:.2f}x)"
+        busy = _fmt(r["cpu_busy"], ".2f") + (" (!)" if r["cpu_warning"] else "")
+        lines.append(
+            f"| {r['strategy']} | {r['step_time_s']:.3f} | {r['step_time_iqr_s']:.3f} "
+            f"| {r['throughput_samples_s']:.1f} | {speed} | {_fmt(r['bubble_s'])} "
+            f"| {_fmt(r['overlap_ratio'], '.2f')} | {_fmt(r['efficiency'], '.2f')} | {busy} |"
+        )
+    if report["warnings"]:
+        lines += ["", "Warnings:"] + [f"- {w}" for w in report["warnings"]]
+    return "\n".join(lines)
+
+
+def write_json(report: dict, path: str) -> None:
+    """Write ``report`` to ``path`` (parent directories created)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def plot(report: dict, path: str) -> None:
+    """PNG: median step time per strategy (IQR whiskers), the lower bound
+    max(compute, comm) and the no-overlap time compute + comm as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["results"] if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(1.2 * max(4, len(ok)) + 2, 4.2))
+    names = [r["strategy"] for r in ok]
+    steps = [r["step_time_s"] for r in ok]
+    err = [[r["step_time_s"] - r["step_time_p25_s"] for r in ok],
+           [r["step_time_p75_s"] - r["step_time_s"] for r in ok]]
+    bars = ax.bar(names, steps, yerr=err, capsize=4, color="#4C72B0")
+    for bar, value in zip(bars, steps):
+        ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value),
+                    ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                    textcoords="offset points")
+    base = report["baseline"]
+    if base:
+        ax.axhline(base["lower_bound_s"], color="#2CA02C", linestyle="--",
+                   label=f"lower bound max(compute, comm) = {base['lower_bound_s']:.3f} s")
+        ax.axhline(base["no_overlap_s"], color="#D62728", linestyle=":",
+                   label=f"no overlap compute + comm = {base['no_overlap_s']:.3f} s")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8,
+                  frameon=False)
+    cfg = report["config"]
+    ax.set_ylabel("step time, s (median, IQR)")
+    ax.set_title(f"{cfg['workload']}: {cfg['workers']} workers, {cfg['nodes']} node(s), "
+                 f"{_link(report)}", fontsize=10)
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

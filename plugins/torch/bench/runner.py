@@ -1,0 +1,232 @@
+"""Run a benchmark: build the emulated cluster, run the phases, collect results.
+
+One *phase* is one launch of all worker processes: first the baseline, then
+one per strategy (a fresh process group each, so a crash or a leftover thread
+of one strategy cannot touch the next). Each phase has a deadline; a worker
+that fails or hangs is killed by pid and the phase is reported as failed,
+and the run goes on with the next strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from commsched.bench.netns import Cluster, NetnsCluster
+from commsched.bench.procs import WorkerError, WorkerGroup
+from commsched.plugins.torch.bench.spec import StrategySpec, unavailable_reason
+
+#: Inside a namespace the port space is the run's own: any fixed port is free.
+NETNS_MASTER_PORT = 29500
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs, validated by the CLI."""
+
+    workload: str
+    workers: int
+    nodes: int
+    bandwidth: str | None
+    intra_bandwidth: str | None
+    strategies: list[StrategySpec]
+    steps: int
+    warmup: int
+    batch_size: int
+    partition_bytes: int
+    credit_bytes: int
+    network: str
+    timeline_dir: str | None = None
+    seed: int = 0
+    phase_timeout_s: float = 900.0
+    collective_timeout_s: float = 120.0
+    baseline_steps: int = field(default=0)  # 0: derived from steps
+
+    def __post_init__(self) -> None:
+        if self.baseline_steps <= 0:
+            self.baseline_steps = max(3, min(self.steps, 10))
+
+
+@dataclass
+class PhaseResult:
+    """What one phase produced: per-rank result dicts, or why there are none."""
+
+    name: str
+    status: str  # ok | skipped | failed
+    ranks: list[dict] = field(default_factory=list)
+    reason: str = ""
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProgressBar:
+    """A one-line text progress bar on a stream (stderr), redrawn in place on a TTY.
+
+    Off a TTY it prints a line only when the phase changes or every 10 s.
+    """
+
+    def __init__(self, stream: TextIO, total_phases: int, width: int = 24) -> None:
+        self.stream = stream
+        self.total = total_phases
+        self.width = width
+        self.tty = stream.isatty()
+        self._last_line = ""
+        self._last_key: tuple = ()
+        self._last_print = 0.0
+
+    def update(self, index: int, name: str, progress: dict | None) -> None:
+        """Show phase ``index`` (1-based) called ``name`` at ``progress``."""
+        done, total, what = 0, 1, "starting"
+        if progress:
+            done, total, what = progress["done"], max(1, progress["total"]), progress["phase"]
+        filled = int(self.width * done / total)
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{index}/{self.total}] {name:<10} [{bar}] {what} {done}/{total}"
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r" + line.ljust(len(self._last_line)))
+            self.stream.flush()
+            self._last_line = line
+        elif (index, what) != self._last_key or now - self._last_print > 10:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self._last_key, self._last_print = (index, what), now
+
+    def finish(self, message: str) -> None:
+        """End the current bar's line with ``message``."""
+        if self.tty:
+            self.stream.write("\r" + message.ljust(len(self._last_line)) + "\n")
+        else:
+            self.stream.write(message + "\n")
+        self.stream.flush()
+        self._last_line = ""
+
+
+class Runner:
+    """Runs the phases of one benchmark on an already-started cluster."""
+
+    def __init__(self, config: RunConfig, cluster: Cluster, work_dir: str,
+                 log: TextIO = sys.stderr) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.work_dir = work_dir
+        self.log = log
+        self.bar = ProgressBar(log, 1 + len(config.strategies))
+        per_node = config.workers // config.nodes
+        self.rank_nodes = [cluster.nodes[r // per_node] for r in range(config.workers)]
+
+    def _spec(self, run_dir: str, mode: str, port: int, strategy: str | None) -> dict:
+        c = self.config
+        timeline = None
+        if strategy is not None and c.timeline_dir:
+            safe = strategy.replace(":", "_")
+            timeline = os.path.abspath(os.path.join(c.timeline_dir, f"{safe}.json"))
+        return {
+            "run_dir": run_dir, "mode": mode, "workload": c.workload,
+            "batch_size": c.batch_size, "seed": c.seed, "steps": c.steps, "warmup": c.warmup,
+            "baseline_steps": c.baseline_steps, "world_size": c.workers, "nodes": c.nodes,
+            "master_addr": self.cluster.nodes[0].address, "master_port": port,
+            "ranks": [{"node": n.index, "address": n.address, "ifname": n.ifname}
+                      for n in self.rank_nodes],
+            "strategy": strategy, "partition_bytes": c.partition_bytes,
+            "credit_bytes": c.credit_bytes, "timeline": timeline,
+            "collective_timeout_s": c.collective_timeout_s,
+        }
+
+    def run_phase(self, index: int, name: str, mode: str,
+                  strategy: str | None = None) -> PhaseResult:
+        """Launch every rank for one phase, wait, and read their result files."""
+        run_dir = os.path.join(self.work_dir, f"{index:02d}_{name.replace(':', '_')}")
+        os.makedirs(run_dir)
+        port = NETNS_MASTER_PORT if isinstance(self.cluster, NetnsCluster) \
+            else _free_loopback_port()
+        spec_path = os.path.join(run_dir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(self._spec(run_dir, mode, port, strategy), f, indent=1)
+        commands, envs, logs = [], [], []
+        for rank, node in enumerate(self.rank_nodes):
+            commands.append(node.wrap([sys.executable, "-m",
+                                       "commsched.plugins.torch.bench.worker",
+                                       "--spec", spec_path, "--rank", str(rank)]))
+            envs.append(self._env(rank, node, port))
+            logs.append(os.path.join(run_dir, f"rank{rank}.log"))
+        progress_path = os.path.join(run_dir, "progress")
+
+        def tick() -> None:
+            self.bar.update(index + 1, name, _read_json(progress_path))
+
+        tick()
+        try:
+            WorkerGroup.start(commands, envs, logs).wait(self.config.phase_timeout_s, tick)
+        except WorkerError as exc:
+            self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: FAILED")
+            return PhaseResult(name, "failed", reason=str(exc))
+        ranks = [_read_json(os.path.join(run_dir, f"rank{r}.json"))
+                 for r in range(self.config.workers)]
+        if any(r is None for r in ranks):
+            self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: FAILED")
+            return PhaseResult(name, "failed", reason=f"a rank wrote no result ({run_dir})")
+        skipped = [r["skipped"] for r in ranks if "skipped" in r]
+        if skipped:
+            self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: skipped: {skipped[0]}")
+            return PhaseResult(name, "skipped", reason=skipped[0])
+        self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: done")
+        return PhaseResult(name, "ok", ranks)
+
+    def _env(self, rank: int, node: Any, port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "GLOO_SOCKET_IFNAME": node.ifname,
+            "MASTER_ADDR": self.cluster.nodes[0].address,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.config.workers),
+            "LOCAL_RANK": str(rank % (self.config.workers // self.config.nodes)),
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def run_all(self, on_phase: Callable[[PhaseResult], None] | None = None
+                ) -> tuple[PhaseResult, list[PhaseResult]]:
+        """Baseline, then every strategy in order."""
+        if self.config.timeline_dir:
+            os.makedirs(self.config.timeline_dir, exist_ok=True)
+        baseline = self.run_phase(0, "baseline", "baseline")
+        results = []
+        for i, spec in enumerate(self.config.strategies, start=1):
+            reason = unavailable_reason(spec)
+            if reason is not None:
+                self.bar.finish(f"[{i + 1}/{self.bar.total}] {spec.name}: skipped: {reason}")
+                result = PhaseResult(spec.name, "skipped", reason=reason)
+            else:
+                result = self.run_phase(i, spec.name, "train", spec.name)
+            results.append(result)
+            if on_phase is not None:
+                on_phase(result)
+        return baseline, results
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def make_work_dir() -> str:
+    """A fresh temporary directory for one run's specs, logs and results."""
+    return tempfile.mkdtemp(prefix="commsched-bench-")

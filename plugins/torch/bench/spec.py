@@ -1,0 +1,74 @@
+"""Parsing ``--strategies`` (no torch import: the CLI parses before any worker runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A parsed ``--strategies`` entry."""
+
+    name: str  # as the user wrote it, e.g. "ddp:4"
+    kind: str  # ddp | horovod | fifo | dynamic | static | allreduce
+    bucket_mb: float | None = None
+
+    @property
+    def is_commsched(self) -> bool:
+        """Whether commsched schedules this strategy's communication."""
+        return self.kind in COMMSCHED_ORDERINGS
+
+
+def parse_strategies(text: str) -> list[StrategySpec]:
+    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static"``; ``ValueError`` on a bad entry."""
+    specs = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        kind, _, arg = name.partition(":")
+        if kind == "ddp":
+            mb = None
+            if arg:
+                try:
+                    mb = float(arg)
+                except ValueError:
+                    mb = -1.0
+                if not mb > 0:
+                    raise ValueError(f"strategy {name!r}: bucket size must be a positive "
+                                     "number of MB, e.g. ddp:4")
+            specs.append(StrategySpec(name, "ddp", mb))
+        elif kind in ("horovod", "allreduce", *COMMSCHED_ORDERINGS) and not arg:
+            specs.append(StrategySpec(name, kind))
+        else:
+            raise ValueError(
+                f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, "
+                "dynamic, static or allreduce"
+            )
+    if not specs:
+        raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError(f"strategy listed twice in {text!r}")
+    return specs
+
+
+def unavailable_reason(spec: StrategySpec) -> str | None:
+    """Why ``spec`` cannot run in this environment, or ``None`` if it may.
+
+    Checked by the runner before it starts any worker for the strategy; the
+    workers check again (and report a skip) for failures only an import shows.
+    """
+    if spec.kind == "horovod":
+        if importlib.util.find_spec("horovod") is None:
+            return ("horovod is not installed (import horovod.torch fails); build it with "
+                    "PyTorch and gloo ('make horovod') to include it")
+    elif spec.is_commsched:
+        try:
+            from commsched.plugins.torch import DistributedOptimizer  # noqa: F401
+        except ImportError as exc:
+            return (f"commsched's PyTorch plugin is not importable ({exc}); "
+                    "install commsched with its torch plugin")
+    return None

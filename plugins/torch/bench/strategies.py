@@ -1,0 +1,299 @@
+"""The training-loop strategies the benchmark compares, behind one interface.
+
+=================  =========================================================
+name               what runs
+=================  =========================================================
+``ddp``            DistributedDataParallel, default 25 MB buckets
+``ddp:<mb>``       DistributedDataParallel, ``bucket_cap_mb=<mb>``
+``horovod``        ``hvd.DistributedOptimizer`` with Horovod's defaults
+``fifo``           commsched, backward order, partition and credit off
+``dynamic``        commsched, rank 0 decides the order as pieces get ready
+``static``         commsched, order fixed from the first profiled step
+``allreduce``      backward, then one flat all-reduce (no overlap at all)
+=================  =========================================================
+
+Every strategy averages gradients over ranks and leaves the user's optimizer
+to do the update. A strategy that cannot run here (its package is missing)
+raises :class:`StrategyUnavailable` with a message that says why.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from commsched.plugins.torch.bench.spec import StrategySpec, parse_strategies
+from torch import nn
+
+__all__ = ["StrategySpec", "StrategyUnavailable", "make_strategy", "parse_strategies"]
+
+#: "Very large": with pieces and credit this big, commsched neither cuts
+#: tensors nor holds any back, i.e. it only keeps the backward (FIFO) order.
+UNLIMITED_BYTES = 1 << 40
+
+
+class StrategyUnavailable(RuntimeError):
+    """The strategy's package is not importable here; the message says why."""
+
+
+class Strategy:
+    """One training setup: the module to call forward on, and the optimizer calls.
+
+    ``step()`` may return before communication ends (commsched);
+    ``synchronize()`` waits for all of it. ``bubble_per_step()`` returns the
+    time each measured step blocked on communication, or ``None`` when the
+    runner must estimate it (see ``bubble_method``).
+    """
+
+    bubble_method = "estimated by the runner"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def zero_grad(self) -> None:
+        """Clear gradients before the next backward."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """Apply the averaged gradients (possibly asynchronously)."""
+        self.optimizer.step()
+
+    def synchronize(self) -> None:
+        """Wait until every update issued so far has landed."""
+
+    def mark_measured(self) -> None:
+        """The next step is the first measured one (warm-up is over)."""
+
+    def bubble_per_step(self) -> list[float] | None:
+        """Blocked seconds per measured step, if the strategy can tell."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Strategy-specific numbers for the JSON report."""
+        return {}
+
+    def close(self) -> None:
+        """Release background threads and hooks."""
+
+
+class DDPStrategy(Strategy):
+    """``DistributedDataParallel``; blocks inside ``backward()`` until all
+    buckets are reduced, so its bubble is estimated from backward times."""
+
+    bubble_method = ("backward() under DDP minus backward() measured while an all-reduce "
+                     "ran (baseline); DDP blocks inside backward until every bucket is reduced")
+
+    def __init__(self, model: nn.Module, make_opt: Callable, bucket_mb: float | None) -> None:
+        kwargs = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+        ddp = nn.parallel.DistributedDataParallel(model, **kwargs)
+        super().__init__(ddp, make_opt(ddp.parameters()))
+
+
+class AllreduceStrategy(Strategy):
+    """Backward, then one all-reduce of all gradients flattened: compute + comm."""
+
+    bubble_method = "duration of the flat all-reduce in step()"
+
+    def __init__(self, model: nn.Module, make_opt: Callable) -> None:
+        super().__init__(model, make_opt(model.parameters()))
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._world = dist.get_world_size()
+        self._bubbles: list[float] = []
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        grads = [p.grad for p in self._params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(self._world)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        self._bubbles.append(time.perf_counter() - t0)
+        self.optimizer.step()
+
+    def mark_measured(self) -> None:
+        self._bubbles.clear()
+
+    def bubble_per_step(self) -> list[float]:
+        return list(self._bubbles)
+
+
+class HorovodStrategy(Strategy):
+    """``hvd.DistributedOptimizer`` with defaults; ``step()`` waits for all
+    outstanding all-reduces, so its bubble is estimated from step() times."""
+
+    bubble_method = ("step() under Horovod minus the plain optimizer step (baseline); "
+                     "hvd.DistributedOptimizer.step() waits for every outstanding all-reduce")
+
+    def __init__(self, model: nn.Module, make_opt: Callable, hvd: Any) -> None:
+        self._hvd = hvd
+        opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                       named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        super().__init__(model, opt)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def close(self) -> None:
+        self._hvd.shutdown()
+
+
+class CommschedStrategy(Strategy):
+    """commsched's ``DistributedOptimizer`` with the torch.distributed backend."""
+
+    bubble_method = "commsched opt.stats() (time forward or step() blocked on communication)"
+
+    def __init__(self, model: nn.Module, make_opt: Callable, ordering: str,
+                 partition_bytes: int, credit_bytes: int, timeline: str | None) -> None:
+        try:
+            import commsched
+            from commsched.plugins.torch import DistributedOptimizer
+        except ImportError as exc:
+            raise StrategyUnavailable(
+                f"commsched's PyTorch plugin is not importable ({exc}); "
+                "run ddp/horovod only, or install commsched with its torch plugin"
+            ) from exc
+        if ordering == "fifo":
+            partition_bytes = credit_bytes = UNLIMITED_BYTES
+        config = commsched.SchedulerConfig(
+            partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
+            cross_iteration=True, timeline=timeline,
+        )
+        opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
+                                   config=config)
+        super().__init__(model, opt)
+        self._first_measured_step = 0
+        self._steps = 0
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self._steps += 1
+
+    def synchronize(self) -> None:
+        self.optimizer.synchronize()
+
+    def mark_measured(self) -> None:
+        self._first_measured_step = self._steps
+
+    def stats(self) -> dict[str, Any]:
+        return _jsonable(self.optimizer.stats())
+
+    def bubble_per_step(self) -> list[float] | None:
+        per_step = bubble_list(self.optimizer.stats())
+        if per_step is None:
+            return None
+        # The list may include warm-up steps; the measured ones are the last n.
+        n = self._steps - self._first_measured_step
+        return per_step[-n:] if n > 0 else []
+
+    def close(self) -> None:
+        self.optimizer.close()
+
+
+def bubble_list(stats: Any) -> list[float] | None:
+    """Per-step bubble seconds from commsched's ``opt.stats()``, whatever its shape.
+
+    Accepts ``{"bubble_s": [..]}`` (per step) and a few spellings close to it;
+    ``None`` when stats carry no per-step bubble.
+    """
+    if not isinstance(stats, dict):
+        return None
+    for key in ("bubble_s", "bubble", "bubble_per_step_s", "bubbles_s"):
+        value = stats.get(key)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+            return [float(v) for v in value]
+    for value in stats.values():  # nested, e.g. {"steps": {"bubble_s": [...]}}
+        if isinstance(value, dict):
+            found = bubble_list(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    return repr(obj)
+
+
+def init_horovod(spec: dict, rank: int) -> Any:
+    """``import horovod.torch`` and ``hvd.init()`` through a gloo rendezvous.
+
+    Follows ``horovodrun --gloo``: rank 0 starts Horovod's HTTP rendezvous
+    server inside its own node (a thread of this process) and publishes its
+    port in the run directory; every rank then sets the ``HOROVOD_*`` variables
+    horovodrun would set and calls ``hvd.init()``.
+    """
+    try:
+        import horovod.torch as hvd
+        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+        from horovod.runner.http.http_server import RendezvousServer
+    except ImportError as exc:
+        raise StrategyUnavailable(
+            f"horovod is not importable ({exc}); build it with PyTorch and gloo "
+            "(see ENVIRONMENT.md) to include it"
+        ) from exc
+    per_node = spec["world_size"] // spec["nodes"]
+    hosts = parse_hosts(",".join(f"node{i}:{per_node}" for i in range(spec["nodes"])))
+    plan = get_host_assignments(hosts, spec["world_size"])
+    slot = plan[rank]
+    port_file = os.path.join(spec["run_dir"], "horovod_rendezvous_port")
+    if rank == 0:
+        server = RendezvousServer()
+        port = server.start()
+        server.init(plan)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(port_file + ".tmp", port_file)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError("horovod rendezvous port never appeared (rank 0 failed?)")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        port = int(f.read())
+    me = spec["ranks"][rank]
+    os.environ.update({
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": spec["master_addr"],
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": me["ifname"],
+        "HOROVOD_HOSTNAME": slot.hostname,
+        "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+    })
+    hvd.init()
+    return hvd
+
+
+def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
+                  run_spec: dict, rank: int, timeline: str | None) -> Strategy:
+    """Build ``spec``'s strategy around ``model``; may raise :class:`StrategyUnavailable`."""
+    if spec.kind == "ddp":
+        return DDPStrategy(model, make_opt, spec.bucket_mb)
+    if spec.kind == "allreduce":
+        return AllreduceStrategy(model, make_opt)
+    if spec.kind == "horovod":
+        return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
+    return CommschedStrategy(model, make_opt, spec.kind, run_spec["partition_bytes"],
+                             run_spec["credit_bytes"], timeline)

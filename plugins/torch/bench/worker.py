@@ -1,0 +1,287 @@
+"""One benchmark worker process (one rank): ``python -m ... .worker --spec S --rank R``.
+
+The runner starts one per rank, inside the rank's node namespace, with
+``GLOO_SOCKET_IFNAME``/``MASTER_ADDR``/``MASTER_PORT`` set. The spec file says
+what to do:
+
+- ``mode="baseline"``: the reference numbers of a run, without any strategy:
+  compute (forward, backward, optimizer) on all ranks at once and on rank 0
+  alone, one flat all-reduce of all gradient bytes, and compute while such an
+  all-reduce is in flight (the CPU-contention cap); rank 0 also profiles
+  the layers.
+- ``mode="train"``: ``warmup`` then ``steps`` training steps of one strategy.
+
+Results go to ``<run_dir>/rank<R>.json`` (written atomically), rank 0's
+progress to ``<run_dir>/progress``. A worker dies with its parent
+(``PR_SET_PDEATHSIG``), every collective has a timeout, and the process group
+is destroyed before exit (gloo may abort at exit otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import signal
+import struct
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from commsched.bench.cpu import busy_fraction, read_cpu_times
+from commsched.plugins.torch.bench.strategies import (
+    StrategyUnavailable,
+    make_strategy,
+    parse_strategies,
+)
+from commsched.plugins.torch.bench.workloads import get_workload, param_bytes, profile_layers
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when the runner dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # parent already gone before prctl took effect
+        os._exit(1)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+class Progress:
+    """Rank 0 tells the runner how far it is; other ranks stay silent."""
+
+    def __init__(self, run_dir: str, enabled: bool) -> None:
+        self.path = os.path.join(run_dir, "progress")
+        self.enabled = enabled
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self.enabled:
+            _write_json(self.path, {"phase": phase, "done": done, "total": total})
+
+
+def _checksum(model: torch.nn.Module) -> str:
+    """Exact fingerprint of all parameters: ranks of a correct run agree bitwise."""
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            total += p.double().sum() * (i + 1)
+    return struct.pack(">d", float(total)).hex()
+
+
+def _barrier() -> None:
+    dist.barrier()
+
+
+def _setup(spec: dict, rank: int) -> tuple[Any, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # denormals would make CPU timings erratic
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=spec["world_size"],
+        timeout=datetime.timedelta(seconds=spec["collective_timeout_s"]),
+    )
+    workload = get_workload(spec["workload"])
+    torch.manual_seed(spec["seed"])  # same initial weights on every rank
+    model = workload.build()
+    gen = torch.Generator().manual_seed(spec["seed"] + 1 + rank)  # own data per rank
+    x, y = workload.make_batch(spec["batch_size"], gen)
+    return workload, model, x, y
+
+
+def _opt_factory(workload: Any) -> Callable:
+    return lambda params: torch.optim.SGD(params, lr=workload.lr, momentum=0.9)
+
+
+def run_baseline(spec: dict, rank: int, progress: Progress) -> dict:
+    """Compute alone, comm alone, compute under comm; see the module docstring."""
+    workload, model, x, y = _setup(spec, rank)
+    opt = _opt_factory(workload)(model.parameters())
+    reps, warmup = spec["baseline_steps"], max(1, spec["warmup"])
+    total = 4 * reps + warmup
+    done = 0
+    result: dict[str, Any] = {"param_bytes": param_bytes(model),
+                              "num_params": sum(p.numel() for p in model.parameters())}
+
+    def step(times: list | None) -> None:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = workload.loss(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if times is not None:
+            times.append((t1 - t0, t2 - t1, t3 - t2))
+
+    if rank == 0:
+        result["layers"] = profile_layers(model, x, y, workload.loss)
+    _barrier()
+    for _ in range(warmup):
+        step(None)
+        done += 1
+        progress("baseline", done, total)
+
+    phases: dict[str, list] = {"all": [], "one": [], "under_comm": []}
+    for _ in range(reps):  # every rank computes at once, as in a real step
+        _barrier()
+        step(phases["all"])
+        done += 1
+        progress("baseline", done, total)
+    for _ in range(reps):  # rank 0 alone, the others wait at the barrier
+        _barrier()
+        if rank == 0:
+            step(phases["one"])
+        done += 1
+        progress("baseline", done, total)
+
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    comm = []
+    cpu0 = read_cpu_times()
+    for _ in range(reps):
+        _barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        comm.append(time.perf_counter() - t0)
+        done += 1
+        progress("baseline", done, total)
+    result["comm_cpu_busy"] = busy_fraction(cpu0, read_cpu_times())
+
+    under = []
+    for _ in range(reps):
+        _barrier()
+        t0 = time.perf_counter()
+        work = dist.all_reduce(flat, async_op=True)
+        step(phases["under_comm"])
+        t1 = time.perf_counter()
+        work.wait()
+        under.append((t1 - t0, time.perf_counter() - t0))
+        done += 1
+        progress("baseline", done, total)
+    _barrier()
+    result.update({
+        "forward_s": [t[0] for t in phases["all"]],
+        "backward_s": [t[1] for t in phases["all"]],
+        "optimizer_s": [t[2] for t in phases["all"]],
+        "one_worker_s": [sum(t) for t in phases["one"]],
+        "comm_s": comm,
+        "forward_under_comm_s": [t[0] for t in phases["under_comm"]],
+        "backward_under_comm_s": [t[1] for t in phases["under_comm"]],
+        "optimizer_under_comm_s": [t[2] for t in phases["under_comm"]],
+        # compute ended / all-reduce ended, from the all-reduce's start
+        "under_comm_span_s": under,
+    })
+    return result
+
+
+def run_train(spec: dict, rank: int, progress: Progress) -> dict:
+    """``warmup`` + ``steps`` steps of one strategy, timed on every rank."""
+    workload, model, x, y = _setup(spec, rank)
+    (sspec,) = parse_strategies(spec["strategy"])
+    timeline = spec.get("timeline") if rank == 0 else None
+    try:
+        strat = make_strategy(sspec, model, _opt_factory(workload), run_spec=spec,
+                              rank=rank, timeline=timeline)
+    except StrategyUnavailable as exc:
+        return {"skipped": str(exc)}
+    steps, warmup = spec["steps"], spec["warmup"]
+    starts: list[float] = []
+    phases: list[tuple[float, float, float]] = []
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        strat.zero_grad()
+        loss = workload.loss(strat.model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        strat.step()
+        t3 = time.perf_counter()
+        starts.append(t0)
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
+
+    try:
+        for i in range(warmup):
+            step()
+            progress("warmup", i + 1, warmup)
+        strat.synchronize()
+        _barrier()
+        starts.clear()
+        phases.clear()
+        strat.mark_measured()
+        cpu0 = read_cpu_times()
+        for i in range(steps):
+            step()
+            progress("steps", i + 1, steps)
+        strat.synchronize()
+        end = time.perf_counter()
+        cpu1 = read_cpu_times()
+        bubbles = strat.bubble_per_step()
+        stats = strat.stats()
+        checksum = _checksum(model)
+        _barrier()
+    finally:
+        strat.close()
+    # A step runs from its start to the next one's; the last one ends when all
+    # communication has landed (a commsched step() returns before that).
+    step_times = [b - a for a, b in zip(starts, starts[1:] + [end])]
+    return {
+        "step_times_s": step_times,
+        "total_s": end - starts[0] if starts else 0.0,
+        "forward_s": [p[0] for p in phases],
+        "backward_s": [p[1] for p in phases],
+        "step_call_s": [p[2] for p in phases],
+        "bubble_s": bubbles,
+        "bubble_method": strat.bubble_method,
+        "cpu_busy": busy_fraction(cpu0, cpu1),
+        "checksum": checksum,
+        "stats": stats,
+        "timeline": timeline,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank; exit 0 with a result file, non-zero on error."""
+    parser = argparse.ArgumentParser(description="commsched bench worker (started by the runner)")
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    with open(args.spec) as f:
+        spec = json.load(f)
+    rank = args.rank
+    progress = Progress(spec["run_dir"], rank == 0)
+    out = os.path.join(spec["run_dir"], f"rank{rank}.json")
+    try:
+        if spec["mode"] == "baseline":
+            result = run_baseline(spec, rank, progress)
+        else:
+            result = run_train(spec, rank, progress)
+    except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once
+        traceback.print_exc()
+        sys.stderr.flush()
+        # Peers blocked in a collective with us would otherwise wait for the
+        # full collective timeout; exiting now closes our sockets at once.
+        os._exit(1)
+    result["rank"] = rank
+    _write_json(out, result)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Single-process checks of the torch plugin's API and its errors (a 1-rank gloo group)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import commsched  # noqa: E402
+from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
+
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def train(opt, model, steps=3):
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.full((3, 4), float(i))).sum().backward()
+        opt.step()
+
+
+def test_updates_land_in_the_next_forward_and_match_plain_sgd():
+    model, ref = small(), small()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                               config=commsched.SchedulerConfig(partition_bytes=16, credit_bytes=32))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    train(opt, model)
+    train(ref_opt, ref)
+    opt.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert all(p.grad is None for p in model.parameters())  # the scheduler consumed the gradients
+    opt.close()
+
+
+def test_close_leaves_no_thread_and_refuses_more_steps():
+    model = small()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters()), model)
+    train(opt, model, 2)
+    opt.close()
+    opt.close()  # idempotent
+    assert not [t for t in threading.enumerate() if t.name.startswith("commsched")]
+    with pytest.raises(commsched.CommschedError, match="closed"):
+        opt.step()
+
+
+def test_lbfgs_is_refused_with_the_reason():
+    model = small()
+    with pytest.raises(ValueError, match="closure"):
+        DistributedOptimizer(torch.optim.LBFGS(model.parameters()), model)
+
+
+def test_step_with_closure_needs_the_synchronous_path():
+    model = small()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    with pytest.raises(ValueError, match="cross_iteration=False"):
+        opt.step(lambda: 0.0)
+    opt.close()
+    sync = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                config=commsched.SchedulerConfig(cross_iteration=False))
+    model(torch.ones(1, 4)).sum().backward()
+    sync.synchronize()
+    assert all(p.grad is not None for p in model.parameters())  # the synchronous path keeps p.grad: clip here
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    assert sync.step(lambda: 1.5) == 1.5
+    sync.close()
+
+
+def test_sparse_gradient_gets_a_clear_error_naming_the_parameter():
+    model = nn.Embedding(10, 3, sparse=True)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    with pytest.raises(ValueError, match="'weight'.*sparse"):
+        model(torch.tensor([1, 2])).sum().backward()
+    opt.close()
+
+
+def test_optimizer_over_other_parameters_is_refused():
+    model, other = small(), small()
+    with pytest.raises(ValueError, match="not in model.named_parameters"):
+        DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), model)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        DistributedOptimizer(model, model)
+
+
+def test_non_contiguous_gradient_is_reduced_and_applied():
+    class T(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 6))
+
+        def forward(self, x):
+            return x @ self.w.t().contiguous().t()  # grad of w arrives transposed-strided for some ops
+
+    model = T()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model,
+                               config=commsched.SchedulerConfig(partition_bytes=8))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.synchronize()
+    assert torch.equal(model.w, torch.full((4, 6), -1.0))
+    opt.close()
+
+
+def test_state_dict_has_the_wrapped_optimizers_format_and_round_trips():
+    model = small()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    train(opt, model, 2)
+    state = opt.state_dict()
+    plain = torch.optim.Adam(small().parameters(), lr=0.01)
+    plain.load_state_dict(state)  # the plain optimizer accepts it
+    assert int(state["state"][0]["step"]) == 2
+    opt.load_state_dict(state)
+    train(opt, model, 1)
+    assert int(opt.state_dict()["state"][0]["step"]) == 3
+    opt.close()
+
+
+def test_stats_report_bubble_pieces_and_priorities_in_forward_order():
+    model = small()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               config=commsched.SchedulerConfig(partition_bytes=16))
+    train(opt, model, 3)
+    opt.synchronize()
+    stats = opt.stats()
+    assert stats["steps"] == 3 and len(stats["bubble_s"]) == 3
+    assert list(stats["priorities"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert stats["pieces"] == 3 * sum(-(-p.numel() * 4 // 16) for p in model.parameters())
+    opt.close()
