@@ -89,7 +89,8 @@ def loss_of(kind, out, y):
 
 SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynamic", partition=256, credit=1024,
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
-                         state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False)
+                         state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
+                         die_rank=-1, die_step=-1)
 
 
 def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
@@ -124,8 +125,10 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                 with ctx:
                     loss_of(sc["model"], model(x), y).backward()
                 loss_of(sc["model"], ref(x), y).backward()
+            if rank == sc["die_rank"] and step == sc["die_step"]:
+                os._exit(3)  # a rank dies mid-training, with pieces in flight
             opt.step()
-            if sc["unused_on_rank"] >= 0:
+            if sc["unused_on_rank"] >= 0 or sc["die_rank"] >= 0:
                 continue  # the reference would mismatch in its own all-reduces; only the error matters
             for p in ref.parameters():
                 if p.grad is not None:
@@ -153,6 +156,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                       order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"])
     except Exception as exc:  # reported to the test, which asserts on it
         result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error_is_commsched"] = isinstance(exc, commsched.CommschedError)
     finally:
         try:
             opt.close()

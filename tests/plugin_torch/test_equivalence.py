@@ -98,3 +98,16 @@ def test_four_ranks_allclose_dynamic_and_static(ranks):
     check_all(results, exact=False)
     for other in results[1:]:
         assert [r["order"] for r in other] == [r["order"] for r in results[0]]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_mid_training_makes_the_others_fail_clearly_not_hang(ranks):
+    import time
+
+    started = time.monotonic()
+    results = ranks(2, *scenarios({"die_rank": 1, "die_step": 3, "steps": 8}), timeout=100, may_die=(1,))
+    assert results[1] is None  # it died
+    survivor = results[0][0]
+    assert survivor.get("error_is_commsched"), survivor.get("error")
+    assert "rank" in survivor["error"] or "pending" in survivor["error"], survivor["error"]
+    assert time.monotonic() - started < 90  # within the scheduler's 20 s timeout plus process start-up
