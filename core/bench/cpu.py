@@ -1,0 +1,47 @@
+"""Machine-wide CPU busy fraction from ``/proc/stat``.
+
+On the emulated cluster the CPUs, not the links, become the bottleneck above a
+few Gbit/s (ENVIRONMENT.md), so every measurement reports how busy they were.
+``/proc/stat`` is not namespaced: the number covers the whole machine,
+including other users' load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Above this busy fraction, timings measure the CPU rather than the network.
+BUSY_WARNING = 0.9
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """Aggregate jiffies of all CPUs at one moment."""
+
+    busy: int
+    total: int
+
+
+def read_cpu_times(path: str = "/proc/stat") -> CpuTimes:
+    """The first ``cpu`` line of ``/proc/stat``: idle + iowait are not busy."""
+    with open(path) as f:
+        fields = f.readline().split()
+    if not fields or fields[0] != "cpu":
+        raise ValueError(f"{path} does not start with an aggregate 'cpu' line")
+    # user nice system idle iowait irq softirq steal [guest guest_nice]; guest
+    # time is already counted in user/nice, so only the first eight add up.
+    values = [int(v) for v in fields[1:9]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    total = sum(values)
+    return CpuTimes(busy=total - idle, total=total)
+
+
+def busy_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
+    """Fraction in [0, 1] of CPU time spent busy between two readings.
+
+    ``None`` when no jiffy passed (too short an interval to say).
+    """
+    total = end.total - start.total
+    if total <= 0:
+        return None
+    return min(1.0, max(0.0, (end.busy - start.busy) / total))
