@@ -271,7 +271,7 @@ def plot(report: dict, path: str) -> None:
     err = [[r["step_time_s"] - r["step_time_p25_s"] for r in ok],
            [r["step_time_p75_s"] - r["step_time_s"] for r in ok]]
     bars = ax.bar(names, steps, yerr=err, capsize=4, color="#4C72B0")
-    for bar, value in zip(bars, steps):
+    for bar, value in zip(bars, steps, strict=True):
         ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value),
                     ha="center", va="bottom", fontsize=8, xytext=(0, 2),
                     textcoords="offset points")

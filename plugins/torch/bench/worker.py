@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import glob
 import json
 import os
 import signal
@@ -235,9 +236,13 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         _barrier()
     finally:
         strat.close()
+    timeline_files = []
+    if timeline:  # the plugin may add a rank suffix: report the files it wrote
+        stem = os.path.splitext(timeline)[0]
+        timeline_files = sorted(glob.glob(glob.escape(stem) + "*.json"))
     # A step runs from its start to the next one's; the last one ends when all
     # communication has landed (a commsched step() returns before that).
-    step_times = [b - a for a, b in zip(starts, starts[1:] + [end])]
+    step_times = [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)]
     return {
         "step_times_s": step_times,
         "total_s": end - starts[0] if starts else 0.0,
@@ -249,7 +254,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         "cpu_busy": busy_fraction(cpu0, cpu1),
         "checksum": checksum,
         "stats": stats,
-        "timeline": timeline,
+        "timeline": timeline_files,
     }
 
 
