@@ -1,0 +1,151 @@
+"""End-to-end ``python -m commsched.plugins.torch.bench`` runs on the tiny workload.
+
+They check the report's structure and invariants (schema, one entry per
+strategy, ranks ending with identical parameters, cleanup), never speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from commsched.bench import netns  # noqa: E402
+from commsched.plugins.torch.bench.report import SCHEMA  # noqa: E402
+
+needs_root = pytest.mark.skipif(not netns.netns_available()[0],
+                                reason=f"needs root: {netns.netns_available()[1]}")
+
+ENTRY_KEYS = {"strategy", "status", "step_time_s", "speedup_vs_ddp", "bubble_s",
+              "overlap_ratio", "efficiency", "throughput_samples_s", "cpu_busy",
+              "params_consistent", "step_time_iqr_s", "bubble_method"}
+BASELINE_KEYS = {"forward_s", "backward_s", "compute_s", "comm_s", "compute_under_comm_s",
+                 "lower_bound_s", "no_overlap_s", "ceiling_speedup_vs_ddp"}
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the bench CLI; ``.args`` of the result is the run's pid (its namespace prefix)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "commsched.plugins.torch.bench", "--workload", "tiny",
+         "--workers", "2", "--steps", "3", "--warmup", "1", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # let it tear its network down
+            proc.communicate(timeout=60)
+            raise
+    return subprocess.CompletedProcess(proc.pid, proc.returncode, out, err)
+
+
+def _check_entry(entry: dict, report: dict) -> None:
+    assert ENTRY_KEYS <= entry.keys()
+    assert entry["status"] == "ok", entry.get("reason")
+    assert entry["step_time_s"] > 0
+    assert entry["step_time_iqr_s"] >= 0
+    assert entry["bubble_s"] is not None and entry["bubble_s"] >= 0
+    assert entry["params_consistent"] is True
+    base = report["baseline"]
+    # The derived metrics follow their definitions exactly.
+    assert entry["efficiency"] == pytest.approx(base["lower_bound_s"] / entry["step_time_s"])
+    assert entry["overlap_ratio"] == pytest.approx(
+        (base["compute_s"] + base["comm_s"] - entry["step_time_s"]) / base["comm_s"])
+    assert entry["throughput_samples_s"] == pytest.approx(
+        report["config"]["batch_size"] * report["config"]["workers"] / entry["step_time_s"])
+
+
+def test_loopback_run_writes_report_table_and_plot(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = _bench("--network", "loopback", "--strategies", "ddp,allreduce,horovod",
+                  "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["schema"] == SCHEMA
+    assert report["emulation"] == "loopback"
+    assert "loopback" in proc.stderr  # says it runs unshaped
+    assert report["config"]["workers"] == 2 and report["config"]["steps"] == 3
+    assert BASELINE_KEYS <= report["baseline"].keys()
+    assert report["workload"]["param_bytes"] > 0 and report["workload"]["layers"]
+    assert [r["strategy"] for r in report["results"]] == ["ddp", "allreduce", "horovod"]
+    ddp, allreduce, horovod = report["results"]
+    for entry in (ddp, allreduce):
+        _check_entry(entry, report)
+    assert ddp["speedup_vs_ddp"] == 1.0
+    assert allreduce["speedup_vs_ddp"] == pytest.approx(
+        ddp["step_time_s"] / allreduce["step_time_s"])
+    if importlib.util.find_spec("horovod") is None:
+        assert horovod["status"] == "skipped" and "horovod" in horovod["reason"]
+        assert horovod["step_time_s"] is None
+    else:
+        _check_entry(horovod, report)
+    assert "| ddp |" in proc.stdout and "| allreduce |" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments_exit_2_with_the_fix():
+    proc = _bench("--network", "loopback", "--strategies", "ddp:-1", "--json", "/dev/null")
+    assert proc.returncode == 2
+    assert "ddp:4" in proc.stderr
+    proc = _bench("--nodes", "3", "--json", "/dev/null")
+    assert proc.returncode == 2 and "divide" in proc.stderr
+
+
+@needs_root
+def test_netns_run_is_shaped_and_leaves_no_namespace(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _bench("--bandwidth", "1gbit", "--strategies", "ddp", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["emulation"] == "netns"
+    assert "tbf 1gbit" in report["emulation_note"]
+    _check_entry(report["results"][0], report)
+    assert [ns for ns in netns.list_namespaces() if ns.startswith(f"cs{proc.args}_")] == []
+
+
+@needs_root
+def test_sigint_mid_run_kills_workers_and_removes_the_network(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "commsched.plugins.torch.bench", "--workload", "tiny",
+         "--workers", "2", "--steps", "100000", "--strategies", "ddp",
+         "--json", str(tmp_path / "r.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    prefix = f"cs{proc.pid}_"
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[int] = []
+        while time.monotonic() < deadline and not workers:
+            for ns in netns.list_namespaces():
+                if ns.startswith(prefix) and not ns.endswith("sw"):
+                    workers += netns.namespace_pids(ns)
+            time.sleep(0.1)
+        assert workers, "no worker started inside the run's namespaces"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert [ns for ns in netns.list_namespaces() if ns.startswith(prefix)] == []
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+    assert not (tmp_path / "r.json").exists()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
