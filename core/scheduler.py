@@ -600,16 +600,16 @@ class Scheduler:
                 while True:
                     if self._closing or self._error is not None:
                         return
+                    had_plan = self._plan is not None
                     piece = self._next_piece()
                     while piece is not None:
                         self._mark_issued(piece)
                         start_batch.append(piece)
                         piece = self._next_piece()
                     if self._mode == "leader":
-                        had_plan = self._plan is not None
                         self._maybe_end_steps()
-                        if self._plan is not None and not had_plan:
-                            continue  # the static plan just started: look again
+                    if self._plan is not None and not had_plan:
+                        continue  # the static plan just started (made here, or read from rank 0): look again
                     if start_batch or self._error is not None:
                         break
                     self._dispatch_cv.wait()
