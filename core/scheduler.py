@@ -557,12 +557,14 @@ class Scheduler:
         # Leader: announce the end of each finished step once all its pieces started.
         while self._end_sent_upto < self._step and self._unissued_per_step.get(self._end_sent_upto, 0) == 0:
             step = self._end_sent_upto
+            self._end_sent_upto += 1
+            if self._static and self._plan is not None:
+                continue  # the plan fixes every later step and followers stopped reading: no per-step messages
             self._publish_buf.append(f"E\t{step}")
             if self._static and step == 0:
                 self._plan = list(self._step0_order)
                 self._plan_names = set(self._plan)
                 self._publish_buf.append("L\t0\t" + "\x1f".join(self._plan))
-            self._end_sent_upto += 1
             self._publish_cv.notify()
 
     def _mark_issued(self, piece: Piece) -> None:
