@@ -1,0 +1,18 @@
+"""commsched for MXNet: a KVStore that schedules ps-lite push/pull by priority, in
+pieces, within a credit window, and lets the next forward start layer by layer.
+
+``import commsched.plugins.mxnet`` registers the KVStore type ``"commsched"``::
+
+    kv = mx.kv.create("commsched")        # dist_sync underneath; settings from COMMSCHED_*
+    kv = commsched.plugins.mxnet.KVStore("dist_sync", config=commsched.SchedulerConfig(...))
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {...}, kvstore=kv)
+
+Start a job on one machine with ``commsched launch mxnet --workers 2 --servers 1 --
+python train.py``. See ``commsched.plugins.mxnet.kvstore`` for the step-by-step flow.
+"""
+
+from commsched.plugins.mxnet.kvstore import FIRST_SUB_KEY, Commsched, KVStore, register
+
+register()
+
+__all__ = ["FIRST_SUB_KEY", "Commsched", "KVStore", "register"]

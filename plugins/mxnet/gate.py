@@ -1,0 +1,212 @@
+"""Engine gates: hold an NDArray inside MXNet's dependency engine until Python opens it.
+
+MXNet runs every operation asynchronously in its engine, ordered only by the
+variables each one reads and writes. A forward already queued in the engine
+reads a weight as soon as the update before it finished; an update issued later
+from Python is simply missed (the forward reads stale weights). commsched issues
+pieces later, when credit allows, so it must make the engine *wait*:
+
+* :meth:`Gates.gate` pushes an asynchronous engine operation that *writes* the
+  array. Everything queued after it on that array (the optimizer's update, the
+  next forward) waits until :meth:`Gate.open` is called, layer by layer, inside
+  the engine: the Python thread is never blocked.
+* :meth:`Gates.notify` pushes an operation that *reads* an array and calls a
+  Python function once every earlier write to it has finished (used to learn
+  that backward produced a gradient, or that a pull landed).
+* :func:`avatar` returns an NDArray on the same memory with a fresh engine
+  variable, so communication can write the memory while the original variable
+  is gated (gating the variable the pull writes would deadlock).
+
+The operations go through ``MXEnginePushAsyncND`` / ``MXEnginePushSyncND`` of
+libmxnet's C API (ctypes). :func:`available` says whether this libmxnet exports
+them; the KVStore falls back to forward pre-hooks when it does not.
+
+A gate must be opened exactly once, also on errors and at exit: an engine that
+still holds a closed gate hangs or aborts at shutdown. :class:`Gates` tracks
+every gate it made and :meth:`Gates.open_all` opens the ones still closed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import threading
+import time
+from typing import Callable
+
+import mxnet as mx
+from mxnet.base import _LIB, check_call
+
+__all__ = ["Gate", "Gates", "available", "avatar"]
+
+log = logging.getLogger(__name__)
+
+# typedef void (*EngineAsyncFunc)(void* rctx, void* on_complete, void* param);
+_ASYNC_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+# typedef void (*EngineSyncFunc)(void* rctx, void* param);
+_SYNC_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+# engine::CallbackOnComplete: { void (*callback_)(Engine*, void*, const dmlc::Error*); Engine* engine_; void* param_; }
+_ON_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class _OnComplete(ctypes.Structure):
+    _fields_ = [("callback", ctypes.c_void_p), ("engine", ctypes.c_void_p), ("param", ctypes.c_void_p)]
+
+
+class _Context(ctypes.Structure):
+    # mxnet::Context { DeviceType dev_type; int32_t dev_id; }
+    _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int32)]
+
+
+def available() -> bool:
+    """Whether libmxnet exports the engine calls the gates need."""
+    return all(hasattr(_LIB, name) for name in ("MXEnginePushAsyncND", "MXEnginePushSyncND"))
+
+
+def avatar(array: mx.nd.NDArray) -> mx.nd.NDArray:
+    """An NDArray on ``array``'s memory with a fresh engine variable.
+
+    Waits until every queued operation on ``array`` finished (DLPack's write
+    export does), so make avatars *before* gating ``array``: afterwards that
+    wait would never end. The avatar keeps ``array``'s memory alive.
+    """
+    return mx.nd.from_dlpack(array.to_dlpack_for_write())
+
+
+class Gate:
+    """A closed gate on one NDArray: engine operations queued after it wait until :meth:`open`."""
+
+    __slots__ = ("name", "created", "_lock", "_complete", "_opened", "_owner", "_token")
+
+    def __init__(self, name: str, owner: "Gates", token: int) -> None:
+        self.name = name
+        self.created = time.monotonic()
+        self._lock = threading.Lock()
+        self._complete: tuple[int, int, int] | None = None  # set when the engine runs the gate
+        self._opened = False
+        self._owner = owner
+        self._token = token
+
+    @property
+    def is_open(self) -> bool:
+        """True once :meth:`open` was called."""
+        return self._opened
+
+    def _reached(self, complete: tuple[int, int, int]) -> None:
+        # Engine thread: the gate's turn has come; it finishes when opened.
+        with self._lock:
+            if not self._opened:
+                self._complete = complete
+                return
+        _call_on_complete(complete)
+
+    def open(self) -> None:
+        """Let the operations waiting behind this gate run. Idempotent; any thread."""
+        with self._lock:
+            if self._opened:
+                return
+            self._opened = True
+            complete, self._complete = self._complete, None
+        self._owner._forget(self._token)
+        if complete is not None:
+            _call_on_complete(complete)
+
+
+def _call_on_complete(complete: tuple[int, int, int]) -> None:
+    callback, engine, param = complete
+    _ON_COMPLETE(callback)(engine, param, None)
+
+
+class Gates:
+    """Makes gates and notifiers for arrays on one context; tracks the gates still closed."""
+
+    def __init__(self, context: mx.Context | None = None) -> None:
+        if not available():
+            raise RuntimeError("this libmxnet does not export MXEnginePushAsyncND/MXEnginePushSyncND; "
+                               "commsched uses forward pre-hooks instead (KVStore(gate='hooks'))")
+        ctx = context if context is not None else mx.cpu()
+        self._ctx = _Context(ctx.device_typeid, ctx.device_id)
+        self._lock = threading.Lock()
+        self._tokens = itertools.count(1)
+        self._gates: dict[int, Gate] = {}
+        self._notifiers: dict[int, Callable[[], None]] = {}
+        # ctypes trampolines live as long as this object (the engine calls them later).
+        self._async_fn = _ASYNC_FUNC(self._run_gate)
+        self._sync_fn = _SYNC_FUNC(self._run_notifier)
+
+    def gate(self, array: mx.nd.NDArray, name: str = "") -> Gate:
+        """Queue a closed gate that writes ``array``; returns it. Open it with :meth:`Gate.open`."""
+        with self._lock:
+            token = next(self._tokens)
+            gate = Gate(name, self, token)
+            self._gates[token] = gate
+        handles = (ctypes.c_void_p * 1)(array.handle)
+        try:
+            check_call(_LIB.MXEnginePushAsyncND(
+                self._async_fn, ctypes.c_void_p(token), None, ctypes.byref(self._ctx),
+                None, 0, handles, 1, None, 0, ctypes.c_char_p(b"commsched_gate"), ctypes.c_bool(False)))
+        except BaseException:
+            self._forget(token)
+            raise
+        return gate
+
+    def notify(self, array: mx.nd.NDArray, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on an engine thread) once every queued write to ``array`` finished.
+
+        ``callback`` must be quick and must not raise: it runs inside the engine.
+        """
+        with self._lock:
+            token = next(self._tokens)
+            self._notifiers[token] = callback
+        handles = (ctypes.c_void_p * 1)(array.handle)
+        try:
+            check_call(_LIB.MXEnginePushSyncND(
+                self._sync_fn, ctypes.c_void_p(token), None, ctypes.byref(self._ctx),
+                handles, 1, None, 0, None, 0, ctypes.c_char_p(b"commsched_notify")))
+        except BaseException:
+            with self._lock:
+                self._notifiers.pop(token, None)
+            raise
+
+    def closed(self) -> list[Gate]:
+        """The gates not yet opened."""
+        with self._lock:
+            return list(self._gates.values())
+
+    def open_all(self) -> int:
+        """Open every gate still closed (on errors and at exit); returns how many were."""
+        gates = self.closed()
+        for gate in gates:
+            gate.open()
+        return len(gates)
+
+    # ------------------------------------------------------------ engine side
+    def _forget(self, token: int) -> None:
+        with self._lock:
+            self._gates.pop(token, None)
+
+    def _run_gate(self, rctx: int, on_complete: int, param: int) -> None:
+        # The CallbackOnComplete lives on the caller's stack: copy it now.
+        oc = _OnComplete.from_address(on_complete)
+        complete = (oc.callback, oc.engine, oc.param)
+        try:
+            with self._lock:
+                gate = self._gates.get(param or 0)
+            if gate is None:  # opened before the engine reached it
+                _call_on_complete(complete)
+                return
+            gate._reached(complete)
+        except BaseException:  # never leave the engine waiting on a broken gate
+            log.exception("commsched engine gate failed; opening it")
+            _call_on_complete(complete)
+
+    def _run_notifier(self, rctx: int, param: int) -> None:
+        with self._lock:
+            callback = self._notifiers.pop(param or 0, None)
+        if callback is None:
+            return
+        try:
+            callback()
+        except BaseException:  # never let an exception unwind into the engine
+            log.exception("commsched engine notifier failed")
