@@ -105,6 +105,8 @@ class InProcessWorld:
             self._maybe_ready(seq)
 
     def _maybe_ready(self, seq: int) -> None:
+        if seq in self._ready:  # already queued for the link (a rank died after it was complete)
+            return
         slots = self._slots[seq]
         live = [r for r in range(self.world_size) if r not in self.dead]
         if all(r in slots for r in live) and len(slots) == len(live) + len(self.dead & set(slots)):
