@@ -251,10 +251,12 @@ class Scheduler:
         with self._lock:
             self._check_usable()
             step = self._step
-            if self._static and step >= 1 and self._plan is not None and f"{name}#0" not in self._plan_names and bounds:
+            if self._static and step >= 1 and self._plan is not None and any(
+                    f"{name}#{index}" not in self._plan_names for index in range(len(bounds))):
                 raise OrderAgreementError(
-                    f"tensor {name!r} was not communicated in the profiling step, so the static plan has no place "
-                    "for it; ordering='static' needs the same tensors every step (use ordering='dynamic')")
+                    f"tensor {name!r} ({len(bounds)} pieces) does not match the static plan made in the profiling "
+                    "step (it is new there, or its size changed); ordering='static' needs the same tensors, of the "
+                    "same sizes, every step (use ordering='dynamic')")
             task = Task(name=name, tensor=tensor, priority=int(priority), step=step, seq=self._seq, future=future,
                         on_done=on_done, submitted_us=now_us())
             self._seq += 1
