@@ -631,6 +631,8 @@ class Scheduler:
         return done
 
     def _on_piece_done(self, piece: Piece, exc: Optional[BaseException]) -> None:
+        if self._closed:  # a late completion: close() already failed the futures and joined our threads
+            return
         end = now_us()
         remote = self._remote_abort_message(grace_s=1.0) if exc is not None else None
         with self._lock:
