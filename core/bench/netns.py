@@ -18,12 +18,14 @@ Guarantees:
 - Names carry a run prefix ``cs<pid>_<k>`` so concurrent runs never collide,
   and a later run can tell a dead run's leftovers (:func:`sweep_stale`).
 - Addresses are private (``10.99.0.0/24``) and live only inside namespaces this
-  module created; the host's own interfaces are never touched.
+  module created; the host's own interfaces are never touched. Inside a node,
+  the machine's hostname resolves to the node's address (``/etc/netns/<ns>/hosts``,
+  which ``ip netns exec`` mounts over ``/etc/hosts``).
 - :meth:`NetnsCluster.close` kills any process still inside the run's
   namespaces (by pid) and deletes them; deleting a namespace removes its veth
   ends and qdiscs with it. It is idempotent, and it runs on errors, SIGINT
   and SIGTERM when the cluster is used as a context manager under
-  :func:`commsched.bench.procs.signals_raise`. Only SIGKILL leaves namespaces
+  :func:`commsched.bench.procs.signals_raise`; the ``/etc/netns/<ns>`` files go too. Only SIGKILL leaves namespaces
   behind; the next run's :func:`sweep_stale` removes them.
 
 :class:`LoopbackCluster` offers the same interface without namespaces
@@ -32,11 +34,13 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -57,6 +61,8 @@ MTU = 9000
 BURST_BYTES = 256 * 1024
 TBF_LATENCY = "20ms"
 PREFIX_RE = re.compile(r"^cs(\d+)_\d+")
+#: ``ip netns exec <ns>`` bind-mounts files from ``/etc/netns/<ns>/`` over /etc.
+ETC_NETNS = "/etc/netns"
 _COMMAND_TIMEOUT_S = 30.0
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -164,6 +170,11 @@ def _kill_and_delete(namespaces: Sequence[str]) -> list[str]:
     for ns in mine:
         if _run(["ip", "netns", "del", ns], check=False).returncode != 0:
             failed.append(ns)
+    for ns in namespaces:
+        if ns not in failed:
+            shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
+    with contextlib.suppress(OSError):  # only when empty: other runs may use it
+        os.rmdir(ETC_NETNS)
     return failed
 
 
@@ -174,7 +185,11 @@ def sweep_stale() -> list[str]:
     a live process are touched. Returns the names deleted.
     """
     stale = []
-    for ns in list_namespaces():
+    try:
+        etc = os.listdir(ETC_NETNS)
+    except OSError:
+        etc = []
+    for ns in sorted(set(list_namespaces()) | set(etc)):
         match = PREFIX_RE.match(ns)
         if match and not _pid_alive(int(match.group(1))):
             stale.append(ns)
@@ -270,6 +285,18 @@ class NetnsCluster:
              "latency", TBF_LATENCY]
         )
 
+    def _write_hosts(self, ns: str, address: str) -> None:
+        """Make the machine's hostname resolve to the node's own address inside it.
+
+        Code that finds its address from the hostname (Horovod 0.28's process-set
+        gloo contexts ignore ``HOROVOD_GLOO_IFACE``) would otherwise get the
+        host's 127.0.0.1, unreachable from the other nodes.
+        """
+        folder = os.path.join(ETC_NETNS, ns)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
+
     def start(self) -> Self:
         """Create switch, bridge, node namespaces, veth pairs, addresses, qdiscs."""
         ok, why = netns_available()
@@ -299,6 +326,7 @@ class NetnsCluster:
                     self._tbf(sw, port, self.bandwidth_bits)  # downlink
                 if self.intra_bandwidth_bits is not None:
                     self._tbf(ns, "lo", self.intra_bandwidth_bits)
+                self._write_hosts(ns, node.address)
         except BaseException:
             self.close()
             raise

@@ -38,7 +38,9 @@ def _run(*argv: str) -> str:
 
 
 def _left_over(prefix: str) -> list[str]:
-    return [ns for ns in list_namespaces() if ns.startswith(prefix)]
+    """The run's namespaces, and its /etc/netns files, that still exist."""
+    etc = os.listdir(netns.ETC_NETNS) if os.path.isdir(netns.ETC_NETNS) else []
+    return [ns for ns in list_namespaces() + etc if ns.startswith(prefix)]
 
 
 # ---------------------------------------------------------------- rates
@@ -90,6 +92,10 @@ def test_netns_cluster_builds_shaped_star_and_removes_all_of_it():
         assert "tbf" in up and "rate 1Gbit" in up
         assert "tbf" in down and "rate 1Gbit" in down
         assert "tbf" in lo and "rate 2Gbit" in lo
+        # Inside a node the hostname is the node's own address, not 127.0.0.1.
+        resolved = _run(*n1.wrap([sys.executable, "-c",
+                                  "import socket; print(socket.gethostbyname(socket.gethostname()))"]))
+        assert resolved.strip() == "10.99.0.2"
         # The nodes reach each other through the bridge.
         server = subprocess.Popen(
             n0.wrap([sys.executable, "-c", textwrap.dedent("""
