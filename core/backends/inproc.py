@@ -105,8 +105,6 @@ class InProcessWorld:
             self._maybe_ready(seq)
 
     def _maybe_ready(self, seq: int) -> None:
-        if seq in self._ready:  # already queued for the link (a rank died after it was complete)
-            return
         slots = self._slots[seq]
         live = [r for r in range(self.world_size) if r not in self.dead]
         if all(r in slots for r in live) and len(slots) == len(live) + len(self.dead & set(slots)):
@@ -114,8 +112,10 @@ class InProcessWorld:
             self._cv.notify_all()
 
     def _fail_waiting_on_dead(self) -> None:
+        queued = set(self._ready)  # complete already: queueing them again would run them twice
         for seq in list(self._slots):
-            self._maybe_ready(seq)
+            if seq not in queued:
+                self._maybe_ready(seq)
 
     def _link_loop(self) -> None:
         while True:
