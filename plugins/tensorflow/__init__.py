@@ -1,0 +1,19 @@
+"""commsched for TensorFlow: scheduled gradient all-reduce under ``tf.distribute``.
+
+* :func:`DistributedOptimizer` wraps a Keras optimizer (Keras 3 in custom loops,
+  tf-keras in custom loops and ``model.fit``);
+* :func:`DistributedGradientTape` wraps a ``tf.GradientTape`` for custom loops and
+  returns gradients already averaged across workers;
+* :func:`unroll` runs several steps in one ``tf.function`` so that the next
+  forward overlaps the previous step's communication.
+
+Pieces are reduced with TF collective ops (``backend="collective"``, default) or
+Horovod (``backend="horovod"``), in an order that :mod:`commsched.planner` fixes in
+the graph, identically on every worker. See ``docs/tensorflow.md``.
+"""
+
+from commsched.plugins.tensorflow.functions import unroll
+from commsched.plugins.tensorflow.optimizer import DistributedOptimizer
+from commsched.plugins.tensorflow.tape import DistributedGradientTape
+
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "unroll"]
