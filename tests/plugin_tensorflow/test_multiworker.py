@@ -1,0 +1,148 @@
+"""Two TF_CONFIG workers on 127.0.0.1: commsched against stock MultiWorkerMirroredStrategy.
+
+Each job trains the same model from the same weights on the same data twice in
+each worker (stock all-reduce, then commsched, with pieces small enough that
+variables are split) and the tests compare. One job per scenario, shared by the
+tests of that scenario; each job runs under a timeout and is killed by pid.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+
+@pytest.fixture(scope="module")
+def keras3(tmp_path_factory, tf_job):
+    return tf_job("keras3", tmp_path_factory.mktemp("keras3"), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def tf_keras(tmp_path_factory, tf_job):
+    pytest.importorskip("tf_keras")
+    return tf_job("tf_keras", tmp_path_factory.mktemp("tf_keras"), timeout=200,
+                        env={"TF_USE_LEGACY_KERAS": "1"})
+
+
+def _bitwise(results, key):
+    for r in results:
+        assert r[key]["bitwise"], f"rank {r['rank']} {key}: max |diff| {r[key]['max_abs_diff']}"
+        assert r[key]["moved"] > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_keras3_custom_loop_is_bitwise_equal_to_stock_mwms(keras3, optimizer):
+    _bitwise(keras3, optimizer)
+
+
+@pytest.mark.timeout(300)
+def test_iterations_advance_once_per_step(keras3):
+    for r in keras3:
+        for key in ("sgd_momentum", "adam", "unroll", "tape"):
+            assert r[key]["iterations"] == 4, (key, r[key])
+        assert r["adam"]["ref_iterations"] == 4
+
+
+@pytest.mark.timeout(300)
+def test_unroll_gives_the_same_weights_as_separate_steps(keras3):
+    _bitwise(keras3, "unroll")
+
+
+@pytest.mark.timeout(300)
+def test_gradient_tape_mean_applied_by_distributed_optimizer_is_not_reduced_twice(keras3):
+    _bitwise(keras3, "tape")  # a second reduction would double every gradient
+
+
+@pytest.mark.timeout(300)
+def test_gradient_tape_sum_applied_by_hand(keras3):
+    _bitwise(keras3, "hand")
+
+
+@pytest.mark.timeout(300)
+def test_variables_are_split_and_every_worker_plans_the_same_order(keras3):
+    order = keras3[0]["plan_order"]
+    assert order == keras3[1]["plan_order"]
+    assert len(order) > 4, "the 20x48 kernel must be cut into several pieces"
+    assert any(name.endswith("#3") for name in order)
+    # The last layer's gradient is ready first, so its pieces lead; layer 0's kernel comes last.
+    assert "dense" in order[0] and order[-1].startswith("0:")
+
+
+@pytest.mark.timeout(300)
+def test_order_is_fixed_in_the_graph_with_at_most_k_chains(keras3):
+    for r in keras3:
+        graph = r["graph"]
+        assert graph["collectives"] == len(r["plan_order"])
+        assert graph["tokens"] == min(r["slots"], graph["collectives"]) == 4
+        assert graph["chained"], "pieces sharing an ordering token must be chained in plan order"
+
+
+@pytest.mark.timeout(300)
+def test_each_update_waits_only_for_pieces_up_to_its_own(keras3):
+    for r in keras3:
+        updates = r["graph"]["updates"]
+        assert {u["tensor"] for u in updates} == {0, 1, 2, 3}
+        for u in updates:
+            assert u["last_wait"] == u["last_own"], u
+
+
+@pytest.mark.timeout(300)
+def test_timeline_shows_the_same_order_on_both_workers_within_the_credit(keras3):
+    orders = []
+    for r in keras3:
+        path = r["timeline"]
+        events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "COMM"]
+        assert events
+        first_trace = [e for e in events if e["args"]["trace"] == 1]
+        orders.append([e["name"] for e in sorted(first_trace, key=lambda e: e["args"]["order"])])
+        k = first_trace[0]["args"]["slots"]
+        for e in first_trace:  # never more than K pieces in flight
+            t = e["ts"]
+            flying = [f for f in first_trace if f["ts"] <= t < f["ts"] + f["dur"]]
+            assert len(flying) <= k
+    assert orders[0] == orders[1]
+
+
+@pytest.mark.timeout(300)
+def test_two_compiled_functions_and_a_retrace_never_share_instance_keys(keras3):
+    blocks = [tuple(b) for b in keras3[0]["key_blocks"]]
+    assert blocks == [tuple(b) for b in keras3[1]["key_blocks"]], "workers must draw the same keys"
+    assert keras3[0]["retraced"] >= 2
+    used = set()
+    for base, n in blocks:
+        keys = set(range(base, base + n))
+        assert not keys & used
+        used |= keys
+    assert len(blocks) == 2 * 4 + 2  # one block per call
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_tf_keras_model_fit_is_bitwise_equal_to_stock_mwms(tf_keras, optimizer):
+    _bitwise(tf_keras, optimizer)
+    for r in tf_keras:
+        assert r[optimizer]["iterations"] == 4
+        assert r[optimizer]["traces"] >= 1, "model.fit did not go through commsched"
+
+
+@pytest.mark.timeout(300)
+def test_tf_keras_custom_loop_is_bitwise_equal_to_stock_mwms(tf_keras):
+    _bitwise(tf_keras, "custom_loop")
+    assert all(r["custom_loop"]["iterations"] == 4 for r in tf_keras)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_lost_worker_makes_the_other_fail_with_a_clear_error_within_the_timeout(tmp_path, tf_job, how):
+    env = {"COMMSCHED_TEST_HANG": "1"} if how == "hangs" else {}
+    survivor, lost = tf_job("die", tmp_path, timeout=120, env=env)
+    assert lost["left"]
+    error = survivor["error"]
+    assert error is not None, "the surviving worker finished its steps without the other one"
+    assert "commsched_" in error  # names the piece it was reducing
+    assert any(word in error for word in ("DeadlineExceeded", "Unavailable", "aborted", "timed out")), error
+    assert survivor["fail_after_s"] < 10 + 20  # the collectives' timeout_s=10, plus slack for a loaded CI

@@ -1,0 +1,339 @@
+"""One worker of a 2-worker TensorFlow test job (started by tests/plugin_tensorflow/launch.py).
+
+Usage: TF_CONFIG=... python worker.py SCENARIO OUT_JSON
+
+Each scenario trains the same model twice in this process, once with stock
+``MultiWorkerMirroredStrategy`` all-reduce and once with commsched, from the same
+initial weights on the same data, and writes what the test asserts on to OUT_JSON.
+Scenarios:
+
+* ``keras3``: Keras 3 custom loops (SGD with momentum, Adam), ``unroll``, the
+  gradient tape, two compiled functions plus a retrace, and the graph structure;
+* ``tf_keras``: tf-keras ``model.fit`` (run with TF_USE_LEGACY_KERAS=1) and a tf-keras
+  custom loop;
+* ``die``: rank 1 leaves after one step; rank 0 must fail with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+SCENARIO, OUT = sys.argv[1], sys.argv[2]
+RANK = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+WORLD = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+import commsched  # noqa: E402
+from commsched.plugins.tensorflow import DistributedGradientTape, DistributedOptimizer, unroll  # noqa: E402
+from commsched.plugins.tensorflow import keys  # noqa: E402
+from commsched.timeline import rank_path  # noqa: E402
+
+# Pieces of 1 KiB (256 floats) and a 4 KiB credit: the 20x48 kernel (3840 bytes) is cut in 4
+# pieces, and K = 4 slots.
+CONFIG = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=60)
+LOCAL_BATCH = 8
+GLOBAL_BATCH = LOCAL_BATCH * WORLD
+STEPS = 4
+
+result: dict = {"rank": RANK}
+
+
+def data(step: int, rank: int = RANK) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1000 * step + rank)
+    x = rng.standard_normal((LOCAL_BATCH, 20)).astype("float32")
+    y = rng.integers(0, 10, LOCAL_BATCH).astype("int32")
+    return x, y
+
+
+def make_model(keras):
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(48, activation="relu"),
+                              keras.layers.Dense(10)])
+    return model
+
+
+def same_weights(a, b) -> dict:
+    wa, wb = a.get_weights(), b.get_weights()
+    return {"bitwise": all(np.array_equal(x, y) for x, y in zip(wa, wb, strict=True)),
+            "max_abs_diff": float(max(np.max(np.abs(x - y)) for x, y in zip(wa, wb, strict=True))),
+            "moved": float(max(np.max(np.abs(x)) for x in wa))}
+
+
+def custom_loop(strategy, keras, make_opt, wrap: bool, steps=STEPS, unrolled: int = 0, init=None, config=CONFIG):
+    """Train with a custom loop; stock all-reduce when not wrap, commsched when wrap."""
+    with strategy.scope():
+        model = make_model(keras)
+        if init is not None:
+            model.set_weights(init)
+        opt = make_opt()
+        if wrap:
+            opt = DistributedOptimizer(opt, config=config)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    if unrolled:
+        batches = [data(s) for s in range(steps)]
+
+        def one(it):
+            x, y = next(it)
+            return strategy.run(train_step, args=(x, y))
+
+        run = unroll(one, unrolled)
+        ds = tf.data.Dataset.from_tensor_slices(
+            (np.stack([b[0] for b in batches]), np.stack([b[1] for b in batches])))
+        it = iter(ds)
+        for _ in range(steps // unrolled):
+            run(it)
+        return model, opt, run
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(train_step, args=(x, y))
+
+    for s in range(steps):
+        step(*data(s))
+    return model, opt, step
+
+
+def _ancestors(op) -> set:
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def graph_structure(fn, plan, *args) -> dict:
+    """Token chains of commsched's collectives in a traced step, and what each update waits for."""
+    graph = fn.get_concrete_function(*args).graph
+    ops = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"
+           and op.name.split("/")[-1].startswith("commsched_")]
+    tokens = {}
+    for op in ops:
+        token = op.inputs[4]  # input, group_size, group_key, instance_key, ordering_token
+        tokens.setdefault(token.name, []).append(op)
+    chained = True
+    for chain in tokens.values():
+        for before, after in zip(chain, chain[1:], strict=False):
+            chained &= before in after.control_inputs
+    # Every update of a variable (or of its slot variables) may wait for the pieces up to its
+    # own last one in the plan (they share slots), never for a later piece.
+    position = {op: k for k, op in enumerate(ops)}  # creation order = plan order
+    last_own = {}
+    for k, piece in enumerate(plan.pieces):
+        last_own[piece.tensor] = k
+    # The test model's variables all differ in size, so a size names the variable.
+    numel_to_tensor = {pieces[-1].stop: i for i, pieces in enumerate(plan.by_tensor())}
+    updates = []
+    for op in graph.get_operations():
+        if op.type not in ("AssignVariableOp", "AssignSubVariableOp", "AssignAddVariableOp"):
+            continue
+        value = op.inputs[1]
+        if not value.shape.is_fully_defined() or value.shape.num_elements() not in numel_to_tensor:
+            continue
+        tensor = numel_to_tensor[value.shape.num_elements()]
+        waits = sorted(position[a] for a in _ancestors(op) if a in position)
+        if waits:
+            updates.append({"op": op.name, "tensor": tensor, "last_wait": waits[-1], "last_own": last_own[tensor]})
+    return {"collectives": len(ops), "tokens": len(tokens), "chained": chained,
+            "names": [op.name.split("/")[-1] for op in ops], "updates": updates}
+
+
+def scenario_keras3() -> None:
+    import keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    result["keras"] = keras.__version__
+    with strategy.scope():
+        init = make_model(keras).get_weights()
+    t0 = time.time()
+    timeline = dataclasses.replace(CONFIG, timeline=os.path.join(os.path.dirname(OUT), "timeline.json"))
+    for name, make_opt in [("sgd_momentum", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+                           ("adam", lambda: keras.optimizers.Adam(1e-2))]:
+        ref, ref_opt, _ = custom_loop(strategy, keras, make_opt, wrap=False, init=init)
+        ours, opt, step = custom_loop(strategy, keras, make_opt, wrap=True, init=init,
+                                      config=timeline if name == "adam" else CONFIG)
+        result[name] = same_weights(ref, ours)
+        result[name]["iterations"] = int(opt.iterations.numpy())
+        result[name]["ref_iterations"] = int(ref_opt.iterations.numpy())
+        if name == "adam":
+            plan = opt._commsched.plans[-1]
+            result["graph"] = graph_structure(step, plan, *data(0))
+            result["plan_order"] = plan.order
+            result["slots"] = opt._commsched.slots
+            result["timeline"] = rank_path(timeline.timeline, RANK, WORLD)
+    result["custom_loop_s"] = time.time() - t0
+
+    # unroll: 2 steps per function, against the stock loop of the same 4 steps.
+    t0 = time.time()
+    make_adam = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+    ref, _, _ = custom_loop(strategy, keras, make_adam, wrap=False, init=init)
+    ours, opt, _ = custom_loop(strategy, keras, make_adam, wrap=True, unrolled=2, init=init)
+    result["unroll"] = same_weights(ref, ours)
+    result["unroll"]["iterations"] = int(opt.iterations.numpy())
+    result["unroll_s"] = time.time() - t0
+
+    # DistributedGradientTape, op="mean": the mean over workers of each worker's own mean loss,
+    # applied by a DistributedOptimizer (which must not reduce them again).
+    # op="sum" with a Keras 3 loss object (which, inside strategy.run, already divides by the
+    # number of replicas), applied by a hand-written SGD.
+    t0 = time.time()
+    with strategy.scope():
+        tape_model = make_model(keras)
+        tape_model.set_weights(init)
+        tape_opt = DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), config=CONFIG)
+        hand_model = make_model(keras)
+        hand_model.set_weights(init)
+    per_example_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    scaled_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def tape_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(per_example_fn(y, tape_model(x, training=True)))  # this worker's mean
+        tape = DistributedGradientTape(tape, config=CONFIG)
+        grads = tape.gradient(loss, tape_model.trainable_variables)
+        tape_opt.apply_gradients(zip(grads, tape_model.trainable_variables, strict=True))
+
+    def hand_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = scaled_fn(y, hand_model(x, training=True))
+        tape = DistributedGradientTape(tape, config=CONFIG, op="sum")
+        grads = tape.gradient(loss, hand_model.trainable_variables)
+        for g, v in zip(grads, hand_model.trainable_variables, strict=True):
+            v.assign_sub(0.1 * g)
+
+    run_tape = tf.function(lambda x, y: strategy.run(tape_step, args=(x, y)))
+    run_hand = tf.function(lambda x, y: strategy.run(hand_step, args=(x, y)))
+    before = len(keys.allocator().history)
+    for s in range(STEPS):  # two compiled functions, alternating
+        run_tape(*data(s))
+        run_hand(*data(s))
+    # Reference: the stock loop on the same data (its loss is divided by the global batch and
+    # summed, which is the mean of the workers' mean gradients).
+    ref = custom_loop(strategy, keras, lambda: keras.optimizers.SGD(0.1, momentum=0.9), wrap=False, init=init)[0]
+    result["tape"] = same_weights(ref, tape_model)
+    result["tape"]["iterations"] = int(tape_opt.iterations.numpy())
+    ref_hand = custom_loop(strategy, keras, lambda: keras.optimizers.SGD(0.1), wrap=False, init=init)[0]
+    result["hand"] = same_weights(ref_hand, hand_model)
+    # A retrace (another batch size) of a function that was already called, then the other one again.
+    x, y = data(STEPS)
+    run_tape(x[:4], y[:4])
+    run_hand(x, y)
+    result["retraced"] = run_tape.experimental_get_tracing_count()
+    result["key_blocks"] = keys.allocator().history[before:]
+    result["tape_s"] = time.time() - t0
+
+
+def scenario_tf_keras() -> None:
+    import tf_keras
+
+    assert tf.keras is tf_keras or tf.keras.__name__.startswith("tf_keras"), tf.keras
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    result["keras"] = tf_keras.__version__
+    xs = np.concatenate([data(s, r)[0] for s in range(STEPS) for r in range(WORLD)])
+    ys = np.concatenate([data(s, r)[1] for s in range(STEPS) for r in range(WORLD)])
+    with strategy.scope():
+        init = make_model(tf_keras).get_weights()
+    t0 = time.time()
+    for name, make_opt in [("sgd_momentum", lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9)),
+                           ("adam", lambda: tf_keras.optimizers.Adam(1e-2))]:
+        models = []
+        for wrap in (False, True):
+            with strategy.scope():
+                model = make_model(tf_keras)
+                model.set_weights(init)
+                opt = make_opt()
+                if wrap:
+                    opt = DistributedOptimizer(opt, config=CONFIG)
+                model.compile(optimizer=opt,
+                              loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(GLOBAL_BATCH)
+            model.fit(ds, epochs=1, steps_per_epoch=STEPS, verbose=0)
+            models.append((model, opt))
+        result[name] = same_weights(models[0][0], models[1][0])
+        result[name]["iterations"] = int(models[1][1].iterations.numpy())
+        result[name]["traces"] = len(models[1][1]._commsched.plans)
+    result["fit_s"] = time.time() - t0
+    # tf-keras custom loop with the same wrapper.
+    ref, _, _ = custom_loop(strategy, tf_keras, lambda: tf_keras.optimizers.Adam(1e-2), wrap=False, init=init)
+    ours, opt, _ = custom_loop(strategy, tf_keras, lambda: tf_keras.optimizers.Adam(1e-2), wrap=True, init=init)
+    result["custom_loop"] = same_weights(ref, ours)
+    result["custom_loop"]["iterations"] = int(opt.iterations.numpy())
+
+
+def scenario_die() -> None:
+    import keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=10)
+    with strategy.scope():
+        model = make_model(keras)
+        opt = DistributedOptimizer(keras.optimizers.SGD(0.1), config=config)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    step = tf.function(lambda x, y: strategy.run(train_step, args=(x, y)))
+    step(*data(0))
+    if RANK == 1:
+        result["left"] = True
+        write()
+        if os.environ.get("COMMSCHED_TEST_HANG"):
+            # Alive but silent (only the collectives' timeout can tell) until rank 0 reported.
+            peer = OUT.replace(".1.json", ".0.json")
+            deadline = time.monotonic() + 90
+            while not os.path.exists(peer) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        os._exit(0)  # a worker dies: no goodbye to the others
+    t0 = time.time()
+    try:
+        for s in range(1, 4):
+            step(*data(s))
+            time.sleep(0.5)  # let rank 1 be gone
+        result["error"] = None
+    except Exception as exc:  # what the survivor sees
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    result["fail_after_s"] = time.time() - t0
+
+
+def write() -> None:
+    tmp = OUT + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(result, fh, indent=1)
+    os.replace(tmp, OUT)
+
+
+if __name__ == "__main__":
+    try:
+        {"keras3": scenario_keras3, "tf_keras": scenario_tf_keras, "die": scenario_die}[SCENARIO]()
+    except BaseException:
+        result["crash"] = traceback.format_exc()
+    write()
+    sys.stdout.flush()
+    # Leave without waiting for the other worker (MWMS may otherwise block at exit).
+    os._exit(0)
