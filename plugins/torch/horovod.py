@@ -48,6 +48,7 @@ class HorovodBackend:
         self._handles: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closing = False
+        self._broadcasts = 0
         self._thread = threading.Thread(target=self._wait_loop, name=f"commsched-horovod-r{self.rank}", daemon=False)
         self._thread.start()
 
@@ -76,10 +77,13 @@ class HorovodBackend:
                 done(None)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        self._hvd.broadcast_(tensor, root)
+        self._hvd.broadcast_(tensor, root, name=f"commsched.broadcast.{self._broadcasts}")
+        self._broadcasts += 1
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
-        return self._hvd.broadcast_object(obj, root)
+        # An explicit name: Horovod's default is the object's type name, which differs
+        # between the root (a dict) and the others (None) and deadlocks.
+        return self._hvd.broadcast_object(obj, root, name="commsched.broadcast_object")
 
     def close(self) -> None:
         """Stop the waiter thread once every handle it holds has completed."""
