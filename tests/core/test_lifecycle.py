@@ -1,0 +1,206 @@
+"""Lifecycle: threads joined by close(), closed schedulers refuse work, zero-size tensors,
+the Chrome-trace timeline, and a store that does not grow over a long run."""
+
+from __future__ import annotations
+
+import array
+import json
+import threading
+
+import pytest
+
+from commsched import CommschedError, CommschedTimeout, Scheduler, SchedulerClosed, SchedulerConfig
+from commsched.backends import ArrayOps, InProcessWorld
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
+
+
+def doubles(n: int, value: float = 1.0) -> array.array:
+    return array.array("d", [value] * n)
+
+
+def commsched_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("commsched-")}
+
+
+def one_step(rank, s):
+    futures = [s.submit(name, doubles(5, rank + 1), priority=i) for i, name in enumerate("abc")]
+    s.mark_step()
+    s.synchronize(timeout=5)
+    return futures
+
+
+@pytest.mark.parametrize("ordering, world_size", [("dynamic", 1), ("dynamic", 3), ("static", 3), ("fifo", 2)])
+def test_close_joins_every_thread_the_scheduler_started(ranks, ordering, world_size):
+    before = commsched_threads()
+    run = ranks(world_size, one_step, config=SchedulerConfig(partition_bytes=16, ordering=ordering, timeout_s=10))
+    run.raise_first()
+    assert commsched_threads() - before == set()
+
+
+def test_close_after_a_failure_joins_every_thread_including_the_abort_publisher(ranks):
+    before = commsched_threads()
+
+    def body(rank, s):
+        one_step(rank, s)
+
+    run = ranks(3, body, config=SchedulerConfig(partition_bytes=16, timeout_s=10), fail_pieces={"b#1"})
+    assert all(isinstance(e, CommschedError) for e in run.errors)
+    assert commsched_threads() - before == set()
+
+
+def test_an_engine_completing_a_piece_after_close_starts_no_thread():
+    """A collective the engine finishes (or fails) after close() must not start new background work."""
+    before = commsched_threads()
+    world = InProcessWorld(2)
+    cfg = SchedulerConfig(timeout_s=10)
+    leader = Scheduler(world.backend(0), ArrayOps(), cfg, store=world.store)
+    follower = Scheduler(world.backend(1), ArrayOps(), cfg, store=world.store)
+    leader.submit("stuck", doubles(2))  # rank 1 never submits it: it stays in flight
+    with pytest.raises(CommschedTimeout):
+        leader.close(timeout=0.2)
+    follower.close()
+    world.close()  # fails the stuck collective: its done() reaches the closed scheduler
+    assert commsched_threads() - before == set()
+    assert not world.store.check("commsched/abort"), "a closed scheduler announced an abort from a new thread"
+
+
+def test_a_closed_scheduler_refuses_new_work_and_close_is_idempotent():
+    world = InProcessWorld(1)
+    try:
+        s = Scheduler(world.backend(0), ArrayOps(), SchedulerConfig(timeout_s=10))
+        with s:
+            one_step(0, s)
+        with pytest.raises(SchedulerClosed, match="closed"):
+            s.submit("late", doubles(1))
+        with pytest.raises(SchedulerClosed):
+            s.mark_step()
+        s.close()  # a second close is harmless
+        assert isinstance(SchedulerClosed("x"), CommschedError)
+    finally:
+        world.close()
+
+
+def test_futures_still_pending_at_close_fail_with_scheduler_closed():
+    world = InProcessWorld(2)
+    cfg = SchedulerConfig(timeout_s=10)
+    leader = Scheduler(world.backend(0), ArrayOps(), cfg, store=world.store)
+    follower = Scheduler(world.backend(1), ArrayOps(), cfg, store=world.store)
+    try:
+        future = leader.submit("orphan", doubles(2))
+        with pytest.raises(CommschedTimeout):
+            leader.close(timeout=0.1)
+        with pytest.raises(SchedulerClosed, match="'orphan'"):
+            future.result(timeout=0)
+    finally:
+        follower.close()
+        world.close()
+
+
+class StuckBackend:
+    """An engine that never completes anything (so only zero-size tensors can finish)."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.negotiates_order = 0, 1, False
+        self.started: list = []
+
+    def start(self, piece, done) -> None:
+        self.started.append((piece, done))
+
+
+def test_zero_size_tensors_complete_at_once_and_run_their_callback():
+    backend = StuckBackend()
+    s = Scheduler(backend, ArrayOps(), SchedulerConfig(timeout_s=10))
+    try:
+        s.submit("big", doubles(4))  # never completes: the engine is stuck
+        seen = []
+        empty = array.array("f")
+        future = s.submit("empty", empty, on_done=lambda task: seen.append(task.name))
+        assert future.result(timeout=5) is empty
+        assert seen == ["empty"]
+        assert all(p.name != "empty#0" for p, _ in backend.started)
+        assert s.pending() == ["big#0 (in flight)"]
+    finally:
+        for _, done in backend.started:
+            done(None)
+        s.close()
+
+
+def test_zero_size_tensors_complete_on_every_rank_without_any_collective(ranks):
+    def body(rank, s):
+        futures = [s.submit("e1", doubles(0)), s.submit("x", doubles(1, rank + 1.0)), s.submit("e2", doubles(0))]
+        s.mark_step()
+        s.synchronize(timeout=5)
+        return [f.result(timeout=0) for f in futures]
+
+    run = ranks(3, body, config=SchedulerConfig(timeout_s=10))
+    run.raise_first()
+    assert run.world.issued == [["x#0"]] * 3
+    assert all(list(r[1]) == [6.0] for r in run.results)
+
+
+@pytest.mark.parametrize("pattern, names", [("trace.json", ["trace.rank0.json", "trace.rank1.json"]),
+                                            ("trace-{rank}.json", ["trace-0.json", "trace-1.json"])])
+def test_timeline_is_a_valid_chrome_trace_with_queued_and_comm_spans_and_step_markers(ranks, tmp_path, pattern, names):
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10, timeline=str(tmp_path / pattern))
+
+    def body(rank, s):
+        for _ in range(2):
+            one_step(rank, s)
+
+    run = ranks(2, body, config=cfg)
+    run.raise_first()
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    for rank, name in enumerate(names):
+        trace = json.loads((tmp_path / name).read_text())
+        events = trace["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        for e in spans:
+            assert {"name", "cat", "ts", "dur", "pid", "tid"} <= set(e)
+            assert e["pid"] == rank and e["dur"] >= 0 and isinstance(e["ts"], float)
+        by_lane = {lane: sorted(e["name"] for e in spans if e["cat"] == lane) for lane in ("QUEUED", "COMM")}
+        expected = sorted(f"{t}#{i}" for t in "abc" for i in range(3)) * 2
+        assert by_lane["QUEUED"] == sorted(expected) and by_lane["COMM"] == sorted(expected)
+        for e in spans:  # a piece is queued before it is in flight
+            if e["cat"] == "COMM":
+                assert e["args"]["bytes"] in (8, 16)
+        markers = [e for e in events if e["ph"] == "i"]
+        assert [m["name"] for m in markers] == ["step 0 end", "step 1 end"]
+        meta = {e["name"] for e in events if e["ph"] == "M"}
+        assert {"process_name", "thread_name"} <= meta
+
+
+def test_no_timeline_file_is_written_unless_configured(ranks, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("COMMSCHED_TIMELINE", raising=False)
+    run = ranks(2, one_step, config=SchedulerConfig(timeout_s=10))
+    run.raise_first()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("ordering", ["dynamic", "static"])
+def test_the_store_does_not_grow_over_a_long_run(ranks, ordering):
+    """Order decisions are removed from the store once read: 300 steps leave it as small as 10."""
+    world_size = 3
+    sizes: dict[int, int] = {}
+    step_done = threading.Barrier(world_size, timeout=10)
+
+    def body(rank, s):
+        for step in range(300):
+            for i, name in enumerate(("w", "b", "g")):
+                s.submit(name, doubles(3, rank), priority=i)
+            s.mark_step()
+            s.synchronize(timeout=5)
+            if step in (9, 299):
+                step_done.wait()  # every rank finished the step: what is left in the store stays
+                if rank == 0:
+                    sizes[step] = len(run_world.store)
+                step_done.wait()
+
+    run_world = InProcessWorld(world_size)
+    run = ranks(world_size, body, config=SchedulerConfig(partition_bytes=8, credit_bytes=16, ordering=ordering,
+                                                         timeout_s=10), world=run_world)
+    run.raise_first()
+    assert sizes[299] <= sizes[9] + world_size, sizes  # at most a trailing END marker per follower
+    assert sizes[299] <= 2 * world_size, sizes

@@ -1,0 +1,294 @@
+"""Deterministic ordering tests: priority, preemption, agreement, the static plan.
+
+Ordering between threads is forced with Events and Barriers, and engine
+completions are held back by :class:`HoldingBackend` where a test needs a piece to
+stay in flight; nothing relies on sleeping.
+"""
+
+from __future__ import annotations
+
+import array
+import threading
+
+import pytest
+
+from commsched import Scheduler, SchedulerConfig
+from commsched.backends import ArrayOps, InProcessWorld
+from commsched.store import InMemoryStore
+
+pytestmark = [pytest.mark.timeout(30),
+              pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
+
+
+class GatedBackend:
+    """Blocks the dispatcher inside the first ``start`` until ``release`` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.rank, self.world_size, self.negotiates_order = inner.rank, inner.world_size, False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def start(self, piece, done) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(10), "the test never released the gate"
+        self.inner.start(piece, done)
+
+
+class HoldingBackend:
+    """Holds every completion back until :meth:`release`, so the scheduler sees its pieces in flight."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.rank, self.world_size, self.negotiates_order = inner.rank, inner.world_size, False
+        self._lock = threading.Lock()
+        self._holding = True
+        self._held: list = []
+
+    def start(self, piece, done) -> None:
+        def hold(exc):
+            with self._lock:
+                if self._holding:
+                    self._held.append((done, exc))
+                    return
+            done(exc)
+        self.inner.start(piece, hold)
+
+    def release(self) -> None:
+        with self._lock:
+            self._holding = False
+            held, self._held = self._held, []
+        for done, exc in held:
+            done(exc)
+
+
+class CountingStore(InMemoryStore):
+    """An in-memory store that counts writes (set and push)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def set(self, key, value):
+        with self._cv:
+            self.writes += 1
+        super().set(key, value)
+
+    def push(self, queue, value):
+        with self._cv:
+            self.writes += 1
+        super().push(queue, value)
+
+
+def doubles(n: int, value: float = 1.0) -> array.array:
+    return array.array("d", [value] * n)
+
+
+def test_ready_pieces_start_by_priority_with_ties_in_submission_order():
+    world = InProcessWorld(1)
+    gate = GatedBackend(world.backend(0))
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10)
+    try:
+        with Scheduler(gate, ArrayOps(), cfg) as s:
+            s.submit("blocker", doubles(1))
+            assert gate.entered.wait(5)  # the dispatcher is now stuck in start(): the rest queues up
+            submissions = [("a", 3, 5), ("b", 1, 2), ("c", 3, 1), ("d", 0, 4), ("e", 1, 3), ("f", -2, 1)]
+            for name, priority, numel in submissions:
+                s.submit(name, doubles(numel), priority=priority)
+            gate.release.set()
+            s.mark_step()
+            s.synchronize()
+    finally:
+        world.close()
+    expected = ["blocker#0"]
+    for _, (name, _, numel) in sorted(enumerate(submissions), key=lambda e: (e[1][1], e[0])):
+        expected += [f"{name}#{i}" for i in range((numel + 1) // 2)]
+    assert world.issued[0] == expected
+
+
+def test_the_next_step_never_overtakes_the_current_one_whatever_its_priority():
+    world = InProcessWorld(1)
+    gate = GatedBackend(world.backend(0))
+    try:
+        with Scheduler(gate, ArrayOps(), SchedulerConfig(partition_bytes=8, credit_bytes=8, timeout_s=10)) as s:
+            s.submit("blocker", doubles(1))
+            assert gate.entered.wait(5)
+            s.submit("late_layer", doubles(2), priority=9)
+            s.mark_step()
+            s.submit("blocker", doubles(1), priority=0)
+            s.submit("first_layer", doubles(1), priority=-5)
+            gate.release.set()
+            s.mark_step()
+            s.synchronize()
+    finally:
+        world.close()
+    assert world.issued[0] == ["blocker#0", "late_layer#0", "late_layer#1", "first_layer#0", "blocker#0"]
+
+
+def test_urgent_piece_submitted_later_overtakes_queued_pieces_at_a_piece_boundary():
+    """Credit of one piece: while low#0 is in flight, an urgent tensor arrives and goes next on every rank."""
+    world = InProcessWorld(2)
+    held = HoldingBackend(world.backend(0))
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=16, timeout_s=10)
+    leader = Scheduler(held, ArrayOps(), cfg, store=world.store)
+    follower = Scheduler(world.backend(1), ArrayOps(), cfg, store=world.store)
+    first_issue = threading.Event()
+    leader._observer = lambda event, info: first_issue.set()
+    try:
+        low0, low1 = doubles(8, 1.0), doubles(8, 2.0)
+        urgent0, urgent1 = doubles(2, 10.0), doubles(2, 20.0)
+        leader.submit("low", low0, priority=5)
+        follower.submit("low", low1, priority=5)
+        follower.submit("urgent", urgent1, priority=0)  # ready early on rank 1: rank 0 still decides
+        assert first_issue.wait(5)
+        assert leader.stats()["pieces"] == 1  # low#0 in flight, the credit is spent
+        leader.submit("urgent", urgent0, priority=0)
+        held.release()
+        for s in (leader, follower):
+            s.mark_step()
+        for s in (leader, follower):
+            s.synchronize()
+    finally:
+        leader.close()
+        follower.close()
+        world.close()
+    assert world.issued[0] == ["low#0", "urgent#0", "low#1", "low#2", "low#3"]
+    assert world.issued[1] == world.issued[0]
+    assert world.mismatches == []
+    assert list(low0) == list(low1) == [3.0] * 8
+    assert list(urgent0) == list(urgent1) == [30.0] * 2
+    assert max(world.max_in_flight_bytes) <= 16
+
+
+def test_followers_issue_rank0s_order_even_when_their_readiness_is_reversed(ranks):
+    names = [f"g{i}" for i in range(6)]
+
+    def body(rank, s):
+        order = names if rank == 0 else list(reversed(names))
+        tensors = [doubles(3, rank + 1) for _ in names]
+        for name, tensor in zip(order, tensors, strict=True):
+            s.submit(name, tensor, priority=int(name[1:]))
+        s.mark_step()
+        s.synchronize()
+        return tensors
+
+    run = ranks(3, body, config=SchedulerConfig(partition_bytes=8, credit_bytes=16, timeout_s=10))
+    run.raise_first()
+    assert run.world.mismatches == []
+    assert run.world.issued[1] == run.world.issued[2] == run.world.issued[0]
+    assert all(list(t) == [6.0] * 3 for result in run.results for t in result)
+
+
+def test_static_follower_starts_the_plan_that_arrives_after_it_submitted_everything():
+    """Regression: a follower that read the plan with nothing else to do went back to sleep and hung."""
+    world = InProcessWorld(2)
+    cfg = SchedulerConfig(partition_bytes=64, credit_bytes=64, ordering="static", timeout_s=10)
+    scheds = [Scheduler(world.backend(r), ArrayOps(), cfg, store=world.store) for r in range(2)]
+    follower_ready = threading.Barrier(2, timeout=10)
+    errors: list = []
+
+    def rank0():
+        s = scheds[0]
+        s.wait(s.submit("a", doubles(4)))  # step 0 done on both ranks
+        follower_ready.wait()  # rank 1 has ended step 0 and submitted step 1
+        s.mark_step()  # now rank 0 publishes END(0) and the plan
+        s.submit("a", doubles(4))
+        s.mark_step()
+        s.synchronize(timeout=5)
+
+    def rank1():
+        s = scheds[1]
+        s.wait(s.submit("a", doubles(4)))
+        s.mark_step()
+        s.submit("a", doubles(4))
+        s.mark_step()
+        follower_ready.wait()
+        s.synchronize(timeout=5)
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+        return run
+
+    threads = [threading.Thread(target=guarded(f)) for f in (rank0, rank1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    finally:
+        for s in scheds:
+            try:
+                s.close(timeout=1)
+            except Exception:
+                pass
+        world.close()
+    assert errors == []
+    assert world.issued == [["a#0", "a#0"], ["a#0", "a#0"]]
+
+
+def test_static_ordering_with_only_zero_size_tensors_in_the_profiling_step_keeps_working(ranks):
+    """Regression: an empty static plan made the dispatcher index an empty list and die."""
+    def body(rank, s):
+        futures = []
+        for _ in range(3):
+            futures.append(s.submit("empty", doubles(0)))
+            assert s.mark_step() == len(futures)
+        s.synchronize(timeout=5)
+        return [f.result(timeout=0) for f in futures]
+
+    run = ranks(2, body, config=SchedulerConfig(ordering="static", timeout_s=10))
+    run.raise_first()
+    assert run.world.issued == [[], []]
+
+
+def test_static_ordering_repeats_rank0s_profiling_order_on_every_rank_in_later_steps(ranks):
+    def body(rank, s):
+        for step in range(4):
+            names = ["x", "y", "z"] if (rank + step) % 2 else ["z", "y", "x"]
+            for name in names:
+                s.submit(name, doubles(3), priority={"x": 0, "y": 1, "z": 2}[name])
+            s.mark_step()
+        s.synchronize(timeout=5)
+
+    run = ranks(3, body, config=SchedulerConfig(partition_bytes=8, credit_bytes=64, ordering="static",
+                                                timeout_s=10))
+    run.raise_first()
+    issued = run.world.issued
+    assert issued[1] == issued[2] == issued[0]
+    plan = issued[0][:9]
+    assert issued[0] == plan * 4
+    assert run.world.mismatches == []
+
+
+def test_static_ordering_sends_no_per_step_messages_once_the_plan_is_fixed(ranks):
+    store = CountingStore()
+    after_step1 = threading.Barrier(3, timeout=10)
+    snapshot = {}
+
+    def body(rank, s):
+        for step in range(8):
+            for name in ("a", "b", "c"):
+                s.submit(name, doubles(2), priority=ord(name))
+            s.mark_step()
+            if step == 1:
+                s.synchronize(timeout=5)
+                after_step1.wait()
+                if rank == 0:
+                    snapshot["writes"] = store.writes
+                after_step1.wait()
+        s.synchronize(timeout=5)
+        after_step1.wait()
+        if rank == 0:
+            snapshot["end"] = store.writes  # before close(), which may wake readers through the store
+        after_step1.wait()
+
+    world = InProcessWorld(3)
+    run = ranks(3, body, config=SchedulerConfig(partition_bytes=8, credit_bytes=64, ordering="static",
+                                                timeout_s=10), world=world, store=store)
+    run.raise_first()
+    assert snapshot["end"] == snapshot["writes"], "the leader kept writing to the store after the plan was fixed"
