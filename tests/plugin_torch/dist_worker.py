@@ -27,6 +27,10 @@ OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+    # two param groups with different learning rates (biases apart, as is common)
+    "sgd_groups": lambda p: torch.optim.SGD(
+        [{"params": [q for q in p if q.dim() > 1]}, {"params": [q for q in p if q.dim() <= 1], "lr": 0.2}],
+        lr=0.05, momentum=0.9),
 }
 
 
@@ -90,7 +94,7 @@ def loss_of(kind, out, y):
 SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynamic", partition=256, credit=1024,
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
-                         die_rank=-1, die_step=-1)
+                         die_rank=-1, die_step=-1, desync_init=False)
 
 
 def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
@@ -98,15 +102,21 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
     dtype = getattr(torch, sc["dtype"])
     result: dict = {}
     model, ref = build(sc["model"], dtype), build(sc["model"], dtype)
+    if sc["desync_init"]:  # ranks start from different weights: the broadcast must fix that
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank + 1.0)
     if sc["model"] == "branchy" and sc["unused_on_rank"] == rank:
         model.use_unused = ref.use_unused = True
     config = commsched.SchedulerConfig(partition_bytes=sc["partition"], credit_bytes=sc["credit"],
                                        ordering=sc["ordering"], cross_iteration=bool(sc["cross"]),
                                        timeout_s=20, timeline=sc["timeline"])
-    opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](model.parameters()), model, backend="torch",
+    opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
                                config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"])
     try:
-        ref_opt = OPTIMIZERS[sc["optimizer"]](ref.parameters())
+        if sc["desync_init"]:  # the reference starts from rank 0's weights, as commsched broadcast them
+            ref.load_state_dict(model.state_dict())
+        ref_opt = OPTIMIZERS[sc["optimizer"]](list(ref.parameters()))
         sched = ref_sched = None
         if sc["lr_scheduler"]:
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

@@ -149,3 +149,37 @@ def test_stats_report_bubble_pieces_and_priorities_in_forward_order():
     assert list(stats["priorities"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert stats["pieces"] == 3 * sum(-(-p.numel() * 4 // 16) for p in model.parameters())
     opt.close()
+
+
+def test_destroyed_process_group_gives_a_clear_error_not_a_hang():
+    model = small()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    train(opt, model, 1)
+    opt.synchronize()
+    dist.destroy_process_group()
+    try:
+        with pytest.raises(commsched.CommschedError, match="destroy"):
+            model(torch.ones(1, 4)).sum().backward()  # the first failed piece fails the later submits
+            opt.synchronize(timeout=10)
+        opt.close()
+    finally:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+@pytest.mark.timeout(60)
+def test_interpreter_exit_without_close_does_not_hang(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "forgot_close.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, torch.nn as nn\n"
+        "from commsched.plugins.torch import DistributedOptimizer\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "m = nn.Linear(3, 3)\n"
+        "opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)\n"
+        "m(torch.ones(2, 3)).sum().backward()\n"
+        "opt.step()\n"
+        "print('done', flush=True)\n")  # no opt.close(), no destroy_process_group()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert "done" in proc.stdout, proc.stderr[-2000:]

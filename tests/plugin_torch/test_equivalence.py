@@ -70,6 +70,8 @@ def test_tied_unused_fp16_lr_scheduler_state_dict_accumulation_and_sync_path(ran
         {"optimizer": "adam", "accum": 2, "no_sync": True},
         {"optimizer": "adam", "cross": 0},
         {"optimizer": "sgd_momentum", "cross": 0, "ordering": "static"},
+        {"optimizer": "sgd_groups", "lr_scheduler": True},                # param groups, different LRs
+        {"optimizer": "adam", "desync_init": True},                      # broadcast from rank 0
     ]
     results = ranks(2, *scenarios(*items), timeout=180)
     check_all(results, exact=True)
