@@ -37,7 +37,8 @@ def _load(module: str):
 def main(argv: list[str] | None = None) -> int:
     """Run the ``commsched`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="commsched", description="Communication scheduler for data-parallel training.")
+    parser = argparse.ArgumentParser(prog="commsched",
+                                     description="Communication scheduler for data-parallel training.")
     parser.add_argument("--version", action="version", version=f"commsched {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)

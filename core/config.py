@@ -60,7 +60,8 @@ def parse_size(value: Any, field: str = "size") -> int:
     number of bytes.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{field}={value!r} is not a byte count; give a positive integer such as 4194304 or '4MiB'")
+        raise ValueError(f"{field}={value!r} is not a byte count; "
+                         "give a positive integer such as 4194304 or '4MiB'")
     if isinstance(value, int):
         number = value
     elif isinstance(value, str):
@@ -73,7 +74,8 @@ def parse_size(value: Any, field: str = "size") -> int:
             )
         number = int(float(m.group(1)) * _SIZE_UNITS[unit])
     else:
-        raise ValueError(f"{field}={value!r} is not a byte count; give a positive integer such as 4194304 or '4MiB'")
+        raise ValueError(f"{field}={value!r} is not a byte count; "
+                         "give a positive integer such as 4194304 or '4MiB'")
     if number <= 0:
         raise ValueError(f"{field}={value!r} must be a positive number of bytes (at least 1)")
     return number
@@ -90,7 +92,8 @@ def _parse_bool(value: Any, field: str) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise ValueError(f"{field}={value!r} is not a boolean; use True/False (or 1/0, true/false, yes/no, on/off in the environment)")
+    raise ValueError(f"{field}={value!r} is not a boolean; use True/False "
+                     "(or 1/0, true/false, yes/no, on/off in the environment)")
 
 
 def _parse_timeout(value: Any, field: str) -> float:

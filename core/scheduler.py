@@ -144,7 +144,8 @@ class Scheduler:
         if self._mode in ("leader", "follower") and store is None:
             raise ValueError(
                 f"ordering={self.config.ordering!r} with {self.world_size} ranks needs a store to agree on order; "
-                "pass store=... (the plugin does this), or use ordering='fifo' only on an engine that agrees on order itself"
+                "pass store=... (the plugin does this), or use ordering='fifo' only on an engine that agrees on "
+                "order itself"
             )
         self.timeline = Timeline(self.config.timeline, self.rank, self.world_size)
 
@@ -217,7 +218,8 @@ class Scheduler:
                 target()
             except BaseException as exc:  # a bug or engine failure on a background thread
                 log.exception("commsched background thread failed")
-                self._fail(CommschedError(f"commsched background thread {threading.current_thread().name} failed: {exc!r}"),
+                name = threading.current_thread().name
+                self._fail(CommschedError(f"commsched background thread {name} failed: {exc!r}"),
                            cause=exc)
         return run
 

@@ -63,8 +63,8 @@ def main() -> None:
     for part in (256 << 10, 1 * MB, 4 * MB, 64 * MB):
         for credit in (4 * MB, 16 * MB, 1024 * MB):
             cfg = commsched.SchedulerConfig(partition_bytes=part, credit_bytes=credit)
-            step = measure(lambda n: DistributedOptimizer(torch.optim.SGD(n.parameters(), lr=0.01), n,
-                                                          backend="horovod", config=cfg), args.steps)
+            step = measure(lambda n, cfg=cfg: DistributedOptimizer(torch.optim.SGD(n.parameters(), lr=0.01), n,
+                                                                   backend="horovod", config=cfg), args.steps)
             rows.append({"setting": f"commsched partition={part // 1024}KiB credit={credit // MB}MiB",
                          "partition_bytes": part, "credit_bytes": credit, "step_s": step})
     if hvd.rank() == 0:

@@ -38,7 +38,7 @@ def main() -> None:
                                                                 ordering=args.ordering,
                                                                 cross_iteration=not args.no_cross_iteration))
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for step in range(args.steps):
+    for _ in range(args.steps):
         x = torch.randn(64, w, generator=gen).to(device)
         y = torch.randint(0, 10, (64,), generator=gen).to(device)
         opt.zero_grad()

@@ -161,7 +161,7 @@ class InProcessWorld:
         with self._cv:
             for r, p in pieces.items():
                 self.in_flight_bytes[r] -= p.nbytes
-        for r, (_, done) in sorted(slots.items()):
+        for _, (_, done) in sorted(slots.items()):
             done(error)
 
 

@@ -92,12 +92,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  config: SchedulerConfig | None = None, *, broadcast: bool = True,
                  backward_passes_per_step: int = 1, process_group: Optional["dist.ProcessGroup"] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer instance (e.g. torch.optim.SGD(model.parameters(), "
+            raise TypeError("optimizer must be a torch.optim.Optimizer instance (e.g. "
+                            "torch.optim.SGD(model.parameters(), "
                             f"lr=0.1)), got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be the torch.nn.Module whose parameters the optimizer updates, got {type(model).__name__}")
+            raise TypeError("model must be the torch.nn.Module whose parameters the optimizer updates, "
+                            f"got {type(model).__name__}")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
         self.config = config if config is not None else SchedulerConfig()
@@ -412,4 +414,5 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     close_backend()
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r}, ordering={self.config.ordering!r}, world_size={self.world_size})"
+        return (f"DistributedOptimizer({self.optimizer!r}, ordering={self.config.ordering!r}, "
+                f"world_size={self.world_size})")

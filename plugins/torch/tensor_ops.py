@@ -32,4 +32,5 @@ def check_gradient(name: str, grad: torch.Tensor) -> None:
             "Use nn.Embedding(sparse=False) or keep that parameter out of the optimizer given to DistributedOptimizer."
         )
     if grad.dtype not in _SUPPORTED:
-        raise ValueError(f"parameter {name!r} has a {grad.dtype} gradient; supported: float32, float64, float16, bfloat16")
+        raise ValueError(f"parameter {name!r} has a {grad.dtype} gradient; "
+                         "supported: float32, float64, float16, bfloat16")

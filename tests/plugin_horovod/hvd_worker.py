@@ -27,7 +27,7 @@ def build():
 
 
 def run(name: str, steps: int, die_step: int, delay: float) -> dict:
-    rank, size = hvd.rank(), hvd.size()
+    rank = hvd.rank()
     model, ref = build(), build()
     opt = DistributedOptimizer(OPTIMIZERS[name](model.parameters()), model, backend="horovod",
                                config=commsched.SchedulerConfig(partition_bytes=256, credit_bytes=512, timeout_s=20))
@@ -56,9 +56,10 @@ def run(name: str, steps: int, die_step: int, delay: float) -> dict:
             ((ref(x) - y) ** 2).mean().backward()
             ref_opt.step()
         opt.synchronize()
-        result["max_diff"] = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+        pairs = list(zip(model.parameters(), ref.parameters(), strict=True))
+        result["max_diff"] = max(float((p - q).abs().max()) for p, q in pairs)
         result["allclose"] = all(torch.allclose(p, q, rtol=1e-6, atol=1e-7)
-                                 for p, q in zip(model.parameters(), ref.parameters()))
+                                 for p, q in zip(model.parameters(), ref.parameters(), strict=True))
         result["pieces"] = opt.stats()["pieces"]
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -157,7 +157,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         opt.synchronize()
         diffs = {}
         bitwise = True
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             diffs[name] = float((p.detach().double() - q.detach().double()).abs().max())
             bitwise &= bool(torch.equal(p, q))
         stats = opt.stats()

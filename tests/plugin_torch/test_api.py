@@ -50,7 +50,7 @@ def test_updates_land_in_the_next_forward_and_match_plain_sgd():
     train(opt, model)
     train(ref_opt, ref)
     opt.synchronize()
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
     assert all(p.grad is None for p in model.parameters())  # the scheduler consumed the gradients
     opt.close()

@@ -41,7 +41,7 @@ def test_every_optimizer_bitwise_on_two_ranks_in_dynamic_and_static_order(ranks)
     results = ranks(2, *scenarios(*items), timeout=220)
     check_all(results, exact=True)
     # ranks issued the same sequence, and static repeats step 1's order afterwards
-    for a, b in zip(results[0], results[1]):
+    for a, b in zip(results[0], results[1], strict=True):
         assert a["order"] == b["order"]
         if a["scenario"]["ordering"] == "static":
             steps = sorted(a["order"], key=int)

@@ -52,7 +52,7 @@ def test_nccl_cuda_training_equals_plain_training():
                 o.step()
         opt.synchronize()
         torch.cuda.synchronize()
-        for p, q in zip(model.parameters(), ref.parameters()):
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=0)
         opt.close()
     finally:
