@@ -89,13 +89,15 @@ class CollectiveBackend:
         self.timeout_s = float(timeout_s)
         self.communication_hint = communication_hint
 
-    def reserve(self, n: int) -> tuple[Any, int]:
-        """Instance keys for ``n`` pieces about to be created: ``(base, offset)``."""
+    def reserve(self, n: int) -> Any:
+        """Draw instance keys for the ``n`` pieces of one reduction (see :mod:`.keys`)."""
         return keys.reserve(n)
 
-    def reduce(self, piece: tf.Tensor, *, group: ReplicaGroup, slot: int, instance_key: Any, name: str,
+    def reduce(self, piece: tf.Tensor, *, group: ReplicaGroup, slot: int, keys_start: Any, index: int, name: str,
                op: str, previous: tf.Tensor | None = None) -> tf.Tensor:
-        """Sum (``op="sum"``) or average (``"mean"``) ``piece`` over ``group``, on token ``slot``."""
+        """Sum (``op="sum"``) or average (``"mean"``) ``piece`` over ``group``, on token ``slot``;
+        ``index`` is the piece's position in the plan (its instance key is ``keys_start + index``)."""
+        instance_key = keys.instance_key(keys_start, index)
         with tf.device(group.device):
             token = ordering_token(group.device, slot)
             return tf.raw_ops.CollectiveReduceV2(
@@ -133,10 +135,10 @@ class HorovodBackend:
         except ValueError as exc:
             raise ValueError("backend='horovod': call horovod.tensorflow.init() before the first step") from exc
 
-    def reserve(self, n: int) -> tuple[Any, int]:
-        return 0, 0  # Horovod names its tensors; no instance keys
+    def reserve(self, n: int) -> Any:
+        return None  # Horovod names its tensors; no instance keys
 
-    def reduce(self, piece: tf.Tensor, *, group: ReplicaGroup, slot: int, instance_key: Any, name: str,
+    def reduce(self, piece: tf.Tensor, *, group: ReplicaGroup, slot: int, keys_start: Any, index: int, name: str,
                op: str, previous: tf.Tensor | None = None) -> tf.Tensor:
         hvd = self._hvd
         hvd_op = hvd.Average if op == "mean" else hvd.Sum

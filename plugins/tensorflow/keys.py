@@ -1,152 +1,103 @@
 """Group and instance keys for TensorFlow collective ops.
 
 TensorFlow matches the pieces of one collective across workers by
-``(group_key, instance_key)``. Two rules, learnt the hard way:
+``(group_key, instance_key)``. An instance key must be **unique per collective
+for the whole process** and the same on every worker: reusing one while the
+runtime still knows the other collective aborts TensorFlow's collective
+executor, and only a restart recovers. Keys baked into a graph as constants are
+reused by every call of that graph; a counter read at trace time drifts as soon
+as one worker retraces and the other does not.
 
-* an instance key must be **unique per collective for the whole process** and the
-  same on every worker. Reusing one while another collective with that key is
-  known to the runtime aborts TensorFlow's collective executor, and only a
-  restart recovers;
-* keys written into a graph as constants are reused by every call of that graph,
-  and retracing on one worker but not the other shifts any counter read at
-  trace time.
+So keys are drawn **when the reduction runs**, from a process-wide int64 counter
+kept in a TensorFlow resource (:func:`reserve`): each reduction adds its number
+of pieces ``n`` to the counter and uses the ``n`` keys before the new value.
+Every use of the counter is one resource, so TensorFlow's automatic control
+dependencies run the draws of one function in program order; workers that run
+the same steps draw the same keys, however often and whenever each of them
+traced. Two functions, two calls of one function, two calls of one inner
+``tf.function`` inside an outer one, and the branches of a ``tf.cond`` all draw
+distinct keys. Not inside a ``tf.while_loop``, whose iterations may overlap:
+:func:`reserve` refuses it (run several steps per function with ``unroll``).
+(``MultiWorkerMirroredStrategy`` feeds a key per call through
+``FuncGraph.capture_call_time_value`` instead; that capture is made once per outer
+function, so an inner function called twice would reuse its keys; the counter
+does not have that hole.)
 
-So keys are drawn **at call time**, exactly like ``MultiWorkerMirroredStrategy``
-does it: each traced function captures one scalar ``base`` through
-``FuncGraph.capture_call_time_value``; when the function is called, a callback
-reserves a block of ``count`` consecutive keys (``count`` = the collectives
-traced into it) from the process-wide :class:`InstanceKeyAllocator`, and collective
-``k`` of the graph uses ``base + k``. Workers that call the same functions in the
-same order therefore draw the same keys, however often or whenever each of them
-traced; two functions, or two calls of one function, never share a key. A call
-made while tracing an outer function defers once more, to that function's call.
-
-commsched uses its own group key (:data:`GROUP_KEY`), so its instance keys
-cannot collide with the strategy's own collectives.
+The counter ops have no input from the model, so they run at the start of the
+step and never delay a collective. commsched uses its own group key
+(:data:`GROUP_KEY`), so its instance keys cannot collide with the strategy's.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
-from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["GROUP_KEY", "FIRST_INSTANCE_KEY", "InstanceKeyAllocator", "allocator", "reserve"]
+__all__ = ["FIRST_INSTANCE_KEY", "GROUP_KEY", "KEY_RANGE", "counter_value", "instance_key", "reserve"]
 
 #: commsched's collective group key: distinct from the strategy's (which count up from 1).
 GROUP_KEY = 0x434D5300  # "CMS\0", an int32
-#: The first instance key handed out; keys wrap around below 2**31.
+#: Instance keys are ``FIRST_INSTANCE_KEY + (n mod KEY_RANGE)`` for the n-th piece of the process.
 FIRST_INSTANCE_KEY = 1 << 16
-_KEY_LIMIT = (1 << 31) - 1
+KEY_RANGE = (1 << 31) - 1 - FIRST_INSTANCE_KEY  # wraps after ~2**31 pieces, long after they finished
 
+_SHARED_NAME = "commsched_instance_key_counter"
 _WHILE_GRAPHS = ("WhileBodyFuncGraph", "WhileCondFuncGraph")
+_handle: tf.Tensor | None = None
+_lock = threading.Lock()
 
 
-class InstanceKeyAllocator:
-    """Hands out blocks of consecutive instance keys; thread-safe.
+def _counter() -> tf.Tensor:
+    """The counter's resource handle, created (eagerly, on this worker's CPU) on first use."""
+    global _handle
+    with _lock:
+        if _handle is None:
+            with tf.init_scope(), tf.device("CPU:0"):
+                handle = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], shared_name=_SHARED_NAME)
+                if not bool(tf.raw_ops.VarIsInitializedOp(resource=handle)):
+                    tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(0, tf.int64))
+            _handle = handle
+        return _handle
 
-    ``take(n)`` returns the first key of a block of ``n`` keys never handed out
-    before (until, after about 2**31 keys, the range wraps around; by then every
-    earlier collective has long finished). The sequence depends only on the
-    sequence of calls, which is what makes it identical on every worker.
-    ``history`` keeps the most recent blocks, for tests and debugging.
+
+def reserve(n: int) -> tf.Tensor:
+    """Reserve ``n`` instance keys for a reduction about to run; returns the first as an
+    int64 counter value ``start`` (use :func:`instance_key` for piece ``k``).
+
+    Eagerly the keys are drawn now; in a ``tf.function`` each execution draws new ones.
     """
-
-    def __init__(self, first: int = FIRST_INSTANCE_KEY, limit: int = _KEY_LIMIT, history: int = 4096) -> None:
-        if not 0 < first < limit:
-            raise ValueError(f"instance keys need 0 < first < limit, got first={first}, limit={limit}")
-        self._first = first
-        self._limit = limit
-        self._next = first
-        self._lock = threading.Lock()
-        self._history_size = history
-        self.history: list[tuple[int, int]] = []
-
-    def take(self, n: int) -> int:
-        """Reserve ``n`` consecutive keys; returns the first."""
-        if n < 0 or n > self._limit - self._first:
-            raise ValueError(f"cannot reserve {n} instance keys at once")
-        with self._lock:
-            if self._next + n > self._limit:
-                self._next = self._first
-            base = self._next
-            self._next += n
-            if self._history_size:
-                self.history.append((base, n))
-                del self.history[:-self._history_size]
-            return base
+    if n < 0 or n >= KEY_RANGE:
+        raise ValueError(f"cannot reserve {n} instance keys at once")
+    if not tf.executing_eagerly():
+        _check_graph(tf.compat.v1.get_default_graph())
+    handle = _counter()
+    with tf.device("CPU:0"), tf.name_scope("commsched_keys"):
+        count = tf.constant(n, tf.int64)
+        tf.raw_ops.AssignAddVariableOp(resource=handle, value=count)
+        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int64) - count
 
 
-_allocator: InstanceKeyAllocator | None = None
-_allocator_lock = threading.Lock()
-
-
-def allocator() -> InstanceKeyAllocator:
-    """The process-wide allocator (created on first use: TensorFlow's collective
-    executor is process-wide, so its key space is too)."""
-    global _allocator
-    with _allocator_lock:
-        if _allocator is None:
-            _allocator = InstanceKeyAllocator()
-        return _allocator
-
-
-class _GraphKeys:
-    """Keys of one traced function: how many it uses, and its call-time ``base``."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.base: Any = None  # weakref to the placeholder (the graph owns it)
-
-    def call_time_base(self) -> tf.Tensor:
-        # Runs each time the function is called (tracing is over: count is final).
-        outer = tf.compat.v1.get_default_graph()
-        if not tf.executing_eagerly() and getattr(outer, "building_function", False):
-            base, offset = reserve(self.count)  # called while tracing an outer function
-            return base + offset if offset else base
-        with tf.device("CPU:0"):
-            return tf.constant(allocator().take(self.count), dtype=tf.int32)
-
-
-_graphs: "weakref.WeakKeyDictionary[Any, _GraphKeys]" = weakref.WeakKeyDictionary()
-_graphs_lock = threading.Lock()
-
-
-def _outer_function_graph() -> Any:
-    graph = tf.compat.v1.get_default_graph()
-    while getattr(graph, "is_control_flow_graph", False):
-        if type(graph).__name__ in _WHILE_GRAPHS:
-            raise ValueError(
-                "commsched cannot reduce gradients inside a tf.while_loop (each iteration would reuse the same "
-                "collective instance keys). Keep steps_per_execution=1 in model.compile, and run several steps "
-                "per function with commsched.plugins.tensorflow.unroll(step_fn, n), which unrolls them in Python")
-        graph = graph.outer_graph
-    return graph
-
-
-def reserve(n: int) -> tuple[Any, int]:
-    """Reserve ``n`` instance keys for collectives being created now.
-
-    Returns ``(base, offset)``: collective ``k`` (0 <= k < n) uses ``base + offset + k``.
-    Eagerly, ``base`` is a Python int drawn now; inside a function being traced it
-    is that function's call-time scalar (see the module docstring).
-    """
-    if tf.executing_eagerly():
-        return allocator().take(n), 0
-    graph = _outer_function_graph()
+def _check_graph(graph) -> None:
     if not getattr(graph, "building_function", False):
         raise ValueError("commsched's TensorFlow plugin needs TF2 behaviour (eager or tf.function), not a TF1 graph")
-    with _graphs_lock:
-        state = _graphs.get(graph)
-        if state is None:
-            state = _graphs[graph] = _GraphKeys()
-        base = state.base() if state.base is not None else None
-        if base is None:
-            with graph.as_default():
-                base = graph.capture_call_time_value(state.call_time_base, tf.TensorSpec([], tf.int32))
-            state.base = weakref.ref(base)
-        offset = state.count
-        state.count += n
-    return base, offset
+    while graph is not None and getattr(graph, "is_control_flow_graph", False):
+        if type(graph).__name__ in _WHILE_GRAPHS:
+            raise ValueError(
+                "commsched cannot reduce gradients inside a tf.while_loop (overlapping iterations could draw the "
+                "same collective instance keys). Keep steps_per_execution=1 in model.compile, and run several "
+                "steps per function with commsched.plugins.tensorflow.unroll(step_fn, n), which unrolls in Python")
+        graph = getattr(graph, "outer_graph", None)
+
+
+def instance_key(start: tf.Tensor, k: int) -> tf.Tensor:
+    """The int32 instance key of piece ``k`` of a reduction that reserved from ``start``."""
+    with tf.device("CPU:0"):
+        return tf.cast(FIRST_INSTANCE_KEY + (start + k) % KEY_RANGE, tf.int32)
+
+
+def counter_value() -> int:
+    """How many instance keys this process has drawn so far (for tests and debugging)."""
+    handle = _counter()
+    with tf.init_scope(), tf.device("CPU:0"):
+        return int(tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int64))

@@ -152,7 +152,7 @@ class GradientReducer:
                         ordering=self.config.ordering)
         self.plans.append(schedule)
         del self.plans[:-8]
-        base, offset = self.backend.reserve(len(schedule.pieces))
+        keys_start = self.backend.reserve(len(schedule.pieces))
         flats = [tf.reshape(v, [-1]) for v in values]
         pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor()]
         last_on_slot: dict[int, tf.Tensor] = {}
@@ -161,15 +161,14 @@ class GradientReducer:
             flat = flats[piece.tensor]
             whole = piece.start == 0 and piece.stop == int(value.shape.num_elements())
             part = flat if whole else flat[piece.start:piece.stop]
-            key = base + (offset + k) if not isinstance(base, int) else base + offset + k
-            result = self.backend.reduce(part, group=group, slot=piece.slot, instance_key=key, name=piece.name,
-                                         op=self.op, previous=last_on_slot.get(piece.slot))
+            result = self.backend.reduce(part, group=group, slot=piece.slot, keys_start=keys_start, index=k,
+                                         name=piece.name, op=self.op, previous=last_on_slot.get(piece.slot))
             last_on_slot[piece.slot] = result
             pieces[piece.tensor][piece.index] = result
-        self._record(schedule, group, offset)
+        self._record(schedule, group)
         return [join_pieces(p, v) if p else v for p, v in zip(pieces, values, strict=True)]
 
-    def _record(self, schedule: Plan, group: ReplicaGroup, offset: int) -> None:
+    def _record(self, schedule: Plan, group: ReplicaGroup) -> None:
         """Append the plan to the Chrome-trace timeline: modelled times, one trace after another.
 
         Every reducer of the process writing to one path shares one timeline, so the
@@ -186,8 +185,7 @@ class GradientReducer:
             start_us = end[0]
             end[0] = start_us + schedule.makespan * 1e6 + 1000.0
         for k, p in enumerate(schedule.pieces):
-            args = dict(slot=p.slot, bytes=p.nbytes, order=k, instance_offset=offset + k, trace=self._traces,
-                        slots=self.slots, planned=True)
+            args = dict(slot=p.slot, bytes=p.nbytes, order=k, trace=self._traces, slots=self.slots, planned=True)
             timeline.span("QUEUED", p.name, start_us + p.ready * 1e6, start_us + p.issue * 1e6, **args)
             timeline.span("COMM", p.name, start_us + p.issue * 1e6, start_us + p.finish * 1e6, **args)
         try:
