@@ -8,6 +8,7 @@ including other users' load.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 #: Above this busy fraction, timings measure the CPU rather than the network.
@@ -45,3 +46,21 @@ def busy_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
     if total <= 0:
         return None
     return min(1.0, max(0.0, (end.busy - start.busy) / total))
+
+
+class CpuWindow:
+    """CPU use over an interval: the machine's busy fraction and this process's
+    own CPU seconds (all its threads), to tell our load from other users'."""
+
+    def __init__(self) -> None:
+        self._machine = read_cpu_times()
+        self._process = time.process_time()
+        self._wall = time.perf_counter()
+
+    def stop(self) -> dict[str, float | None]:
+        """``cpu_busy`` (machine-wide fraction), ``process_cpu_s`` and ``wall_s`` since start."""
+        return {
+            "cpu_busy": busy_fraction(self._machine, read_cpu_times()),
+            "process_cpu_s": time.process_time() - self._process,
+            "wall_s": time.perf_counter() - self._wall,
+        }

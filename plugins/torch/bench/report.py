@@ -53,6 +53,21 @@ def _max_over_ranks(ranks: list[dict], key: str) -> float | None:
     return max(meds) if meds else None
 
 
+def cpu_use(ranks: list[dict], key: str) -> dict[str, float | None]:
+    """Machine-wide busy fraction (rank 0's reading) and our workers' share of it.
+
+    ``workers_busy`` = CPU seconds of all ranks / (wall seconds x CPUs): the
+    part of ``cpu_busy`` that is this benchmark; the rest is other load.
+    """
+    windows = [r[key] for r in ranks if r.get(key)]
+    if not windows:
+        return {"cpu_busy": None, "workers_busy": None}
+    wall = max(w["wall_s"] for w in windows)
+    own = sum(w["process_cpu_s"] for w in windows) / (wall * (os.cpu_count() or 1)) \
+        if wall > 0 else None
+    return {"cpu_busy": windows[0]["cpu_busy"], "workers_busy": own}
+
+
 def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     """The run's reference numbers from the baseline phase's per-rank results."""
     fwd = _max_over_ranks(ranks, "forward_s")
@@ -72,7 +87,8 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
         "compute_s": compute,
         "compute_one_worker_s": median(ranks[0]["one_worker_s"]),
         "comm_s": comm,
-        "comm_cpu_busy": ranks[0].get("comm_cpu_busy"),
+        "comm_cpu_busy": cpu_use(ranks, "comm_cpu")["cpu_busy"],
+        "comm_workers_cpu_busy": cpu_use(ranks, "comm_cpu")["workers_busy"],
         "forward_under_comm_s": fwd_uc,
         "backward_under_comm_s": bwd_uc,
         "compute_under_comm_s": fwd_uc + bwd_uc + opt_uc,
@@ -113,8 +129,7 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
         "forward_s": _max_over_ranks(phase.ranks, "forward_s"),
         "backward_s": _max_over_ranks(phase.ranks, "backward_s"),
         "step_call_s": _max_over_ranks(phase.ranks, "step_call_s"),
-        "cpu_busy": r0["cpu_busy"],
-        "cpu_warning": r0["cpu_busy"] is not None and r0["cpu_busy"] > BUSY_WARNING,
+        **_cpu_fields(phase.ranks),
         "params_consistent": len({r["checksum"] for r in phase.ranks}) == 1,
         "timeline": r0.get("timeline"),
         "stats": r0.get("stats") or {},
@@ -126,6 +141,13 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
     else:
         entry["overlap_ratio"] = entry["efficiency"] = None
     return entry
+
+
+def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
+    use = cpu_use(ranks, "cpu")
+    busy = use["cpu_busy"]
+    return {"cpu_busy": busy, "workers_cpu_busy": use["workers_busy"],
+            "cpu_warning": busy is not None and busy > BUSY_WARNING}
 
 
 def _bubble(ranks: list[dict], baseline: dict | None) -> tuple[float | None, str]:
@@ -159,8 +181,9 @@ def build_report(config: dict, emulation: str, emulation_note: str, workload: di
                     "num_params": r0["num_params"], "layers": r0.get("layers", [])}
         busy = baseline.get("comm_cpu_busy")
         if busy is not None and busy > BUSY_WARNING:
-            warnings.append(f"CPU busy {busy:.2f} during the all-reduce alone: the CPUs, "
-                            "not the emulated link, limit communication")
+            warnings.append(f"CPU busy {busy:.2f} during the all-reduce alone (workers "
+                            f"{_fmt(baseline['comm_workers_cpu_busy'], '.2f')}): the CPUs, "
+                            "not the emulated link, may limit communication")
     else:
         warnings.append(f"baseline failed: {baseline_phase.reason}")
     samples = config["batch_size"] * config["workers"]
@@ -170,8 +193,10 @@ def build_report(config: dict, emulation: str, emulation_note: str, workload: di
         if r["status"] == "ok" and ddp is not None:
             r["speedup_vs_ddp"] = ddp["step_time_s"] / r["step_time_s"]
         if r.get("cpu_warning"):
-            warnings.append(f"{r['strategy']}: CPU busy {r['cpu_busy']:.2f} > {BUSY_WARNING}: "
-                            "timings are CPU-bound, not network-bound")
+            warnings.append(
+                f"{r['strategy']}: CPU busy {r['cpu_busy']:.2f} > {BUSY_WARNING} (this benchmark's "
+                f"workers: {_fmt(r['workers_cpu_busy'], '.2f')}): timings may be CPU-bound "
+                "rather than network-bound")
         if r["status"] == "ok" and not r["params_consistent"]:
             warnings.append(f"{r['strategy']}: ranks ended with different parameters")
     return {
@@ -217,7 +242,8 @@ def markdown(report: dict) -> str:
              f"{_fmt(base['compute_one_worker_s'])}), under a concurrent all-reduce "
              f"{base['compute_under_comm_s']:.3f} s"),
             (f"- comm (all-reduce of all gradients) {base['comm_s']:.3f} s, CPU busy "
-             f"{_fmt(base['comm_cpu_busy'], '.2f')}"),
+             f"{_fmt(base['comm_cpu_busy'], '.2f')} (workers "
+             f"{_fmt(base['comm_workers_cpu_busy'], '.2f')})"),
             (f"- lower bound max(compute, comm) {base['lower_bound_s']:.3f} s; no overlap "
              f"{base['no_overlap_s']:.3f} s; speedup ceiling vs ddp "
              f"(forward + comm) / max(compute, comm) = {base['ceiling_speedup_vs_ddp']:.2f}x"),
@@ -225,7 +251,7 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         ("| strategy | step s (median) | IQR s | samples/s | speedup vs ddp (ceiling) "
-         "| bubble s | overlap | efficiency | CPU busy |"),
+         "| bubble s | overlap | efficiency | CPU busy (workers) |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ceiling = base and base["ceiling_speedup_vs_ddp"]
@@ -237,7 +263,8 @@ def markdown(report: dict) -> str:
         speed = _fmt(r["speedup_vs_ddp"], ".2f", "x")
         if ceiling:
             speed += f" ({ceiling:.2f}x)"
-        busy = _fmt(r["cpu_busy"], ".2f") + (" (!)" if r["cpu_warning"] else "")
+        busy = (_fmt(r["cpu_busy"], ".2f") + (" (!)" if r["cpu_warning"] else "")
+                + f" ({_fmt(r['workers_cpu_busy'], '.2f')})")
         lines.append(
             f"| {r['strategy']} | {r['step_time_s']:.3f} | {r['step_time_iqr_s']:.3f} "
             f"| {r['throughput_samples_s']:.1f} | {speed} | {_fmt(r['bubble_s'])} "

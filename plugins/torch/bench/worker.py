@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from commsched.bench.cpu import busy_fraction, read_cpu_times
+from commsched.bench.cpu import CpuWindow
 from commsched.plugins.torch.bench.strategies import (
     StrategyUnavailable,
     make_strategy,
@@ -151,7 +151,7 @@ def run_baseline(spec: dict, rank: int, progress: Progress) -> dict:
 
     flat = torch.zeros(sum(p.numel() for p in model.parameters()))
     comm = []
-    cpu0 = read_cpu_times()
+    window = CpuWindow()
     for _ in range(reps):
         _barrier()
         t0 = time.perf_counter()
@@ -159,7 +159,7 @@ def run_baseline(spec: dict, rank: int, progress: Progress) -> dict:
         comm.append(time.perf_counter() - t0)
         done += 1
         progress("baseline", done, total)
-    result["comm_cpu_busy"] = busy_fraction(cpu0, read_cpu_times())
+    result["comm_cpu"] = window.stop()
 
     under = []
     for _ in range(reps):
@@ -223,13 +223,13 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         starts.clear()
         phases.clear()
         strat.mark_measured()
-        cpu0 = read_cpu_times()
+        window = CpuWindow()
         for i in range(steps):
             step()
             progress("steps", i + 1, steps)
         strat.synchronize()
         end = time.perf_counter()
-        cpu1 = read_cpu_times()
+        cpu = window.stop()
         bubbles = strat.bubble_per_step()
         stats = strat.stats()
         checksum = _checksum(model)
@@ -251,7 +251,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         "step_call_s": [p[2] for p in phases],
         "bubble_s": bubbles,
         "bubble_method": strat.bubble_method,
-        "cpu_busy": busy_fraction(cpu0, cpu1),
+        "cpu": cpu,
         "checksum": checksum,
         "stats": stats,
         "timeline": timeline_files,

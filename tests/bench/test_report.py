@@ -1,0 +1,112 @@
+"""Report arithmetic on synthetic phase results: definitions, bubble estimates, skips."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from commsched.plugins.torch.bench.report import (  # noqa: E402
+    build_report,
+    markdown,
+    quantile,
+)
+from commsched.plugins.torch.bench.runner import PhaseResult  # noqa: E402
+
+CONFIG = {"workload": "tiny", "workers": 2, "nodes": 2, "bandwidth": "1gbit",
+          "intra_bandwidth": None, "strategies": [], "steps": 4, "warmup": 1,
+          "baseline_steps": 3, "batch_size": 8, "partition_bytes": 1, "credit_bytes": 1,
+          "network": "netns", "seed": 0}
+
+
+def _cpu(busy=0.5):
+    return {"cpu_busy": busy, "process_cpu_s": 1.0, "wall_s": 2.0}
+
+
+def _baseline_rank(rank):
+    return {
+        "rank": rank, "param_bytes": 1000, "num_params": 250, "layers": [],
+        "forward_s": [0.2] * 3, "backward_s": [0.4] * 3, "optimizer_s": [0.05] * 3,
+        "one_worker_s": [0.6] * 3, "comm_s": [0.5] * 3, "comm_cpu": _cpu(),
+        "forward_under_comm_s": [0.25] * 3, "backward_under_comm_s": [0.45] * 3,
+        "optimizer_under_comm_s": [0.05] * 3, "under_comm_span_s": [[0.75, 0.5]] * 3,
+    }
+
+
+def _train_rank(steps, method, bubbles=None, backward=None, step_call=None, checksum="a"):
+    return {
+        "step_times_s": steps, "total_s": sum(steps), "forward_s": [0.2] * len(steps),
+        "backward_s": backward or [0.4] * len(steps),
+        "step_call_s": step_call or [0.05] * len(steps),
+        "bubble_s": bubbles, "bubble_method": method, "cpu": _cpu(0.95),
+        "checksum": checksum, "stats": {}, "timeline": [],
+    }
+
+
+DDP = "backward() under DDP minus ..."
+HVD = "step() under Horovod minus ..."
+
+
+def _report(phases):
+    baseline = PhaseResult("baseline", "ok", [_baseline_rank(0), _baseline_rank(1)])
+    return build_report(CONFIG, "netns", "note", {"name": "tiny"}, baseline, phases)
+
+
+def test_baseline_bounds_follow_their_definitions():
+    base = _report([])["baseline"]
+    assert base["compute_s"] == pytest.approx(0.65)
+    assert base["lower_bound_s"] == pytest.approx(0.65)  # max(compute 0.65, comm 0.5)
+    assert base["no_overlap_s"] == pytest.approx(1.15)
+    assert base["ceiling_speedup_vs_ddp"] == pytest.approx((0.2 + 0.5) / 0.65)
+    assert base["compute_under_comm_s"] == pytest.approx(0.75)
+    assert base["under_comm_coverage"] == pytest.approx(0.5 / 0.75)
+    assert base["comm_workers_cpu_busy"] == pytest.approx(2 * 1.0 / 2.0 / _cpus())
+
+
+def _cpus():
+    import os
+
+    return os.cpu_count() or 1
+
+
+def test_strategy_metrics_speedup_and_estimated_bubbles():
+    ddp = PhaseResult("ddp", "ok", [
+        _train_rank([1.0, 1.0, 1.2, 1.0], DDP, backward=[0.85] * 4),
+        _train_rank([1.0, 1.0, 1.0, 1.0], DDP, backward=[0.85] * 4)])
+    hvd = PhaseResult("horovod", "ok", [
+        _train_rank([0.8] * 4, HVD, step_call=[0.25] * 4),
+        _train_rank([0.8] * 4, HVD, step_call=[0.25] * 4, checksum="b")])
+    own = PhaseResult("dynamic", "ok", [
+        _train_rank([0.7] * 4, "commsched", bubbles=[0.1, 0.1, 0.2, 0.1]),
+        _train_rank([0.7] * 4, "commsched", bubbles=[0.3] * 4)])
+    report = _report([ddp, hvd, own])
+    r_ddp, r_hvd, r_own = report["results"]
+    assert r_ddp["step_time_s"] == pytest.approx(1.0)
+    assert r_ddp["step_time_iqr_s"] == pytest.approx(quantile([1, 1, 1.2, 1], .75) - 1.0)
+    assert r_ddp["bubble_s"] == pytest.approx(0.85 - 0.45)  # backward minus backward under comm
+    assert r_hvd["bubble_s"] == pytest.approx(0.25 - 0.05)  # step() minus optimizer step
+    assert r_own["bubble_s"] == pytest.approx(0.3)  # the slowest rank's median
+    assert r_hvd["speedup_vs_ddp"] == pytest.approx(1.0 / 0.8)
+    assert r_own["overlap_ratio"] == pytest.approx((0.65 + 0.5 - 0.7) / 0.5)
+    assert r_own["efficiency"] == pytest.approx(0.65 / 0.7)
+    assert r_own["throughput_samples_s"] == pytest.approx(16 / 0.7)
+    assert r_ddp["params_consistent"] and not r_hvd["params_consistent"]
+    assert any("horovod: ranks ended with different parameters" in w for w in report["warnings"])
+    assert all(r["cpu_warning"] for r in report["results"])  # 0.95 > 0.9
+
+
+def test_skipped_and_failed_strategies_keep_their_row_and_reason():
+    report = _report([PhaseResult("horovod", "skipped", reason="horovod is not installed"),
+                      PhaseResult("dynamic", "failed", reason="workers failed:\nrank 0 ...")])
+    skipped, failed = report["results"]
+    assert skipped["status"] == "skipped" and skipped["step_time_s"] is None
+    assert failed["reason"].startswith("workers failed")
+    table = markdown(report)
+    assert "| horovod | skipped: horovod is not installed |" in table
+    assert "| dynamic | failed: workers failed: |" in table
+
+
+def test_quantile_interpolates_and_ignores_missing():
+    assert quantile([], 0.5) is None
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([1.0, 2.0], 0.25) == pytest.approx(1.25)
