@@ -295,3 +295,23 @@ def test_a_timeout_on_one_rank_does_not_leave_other_ranks_hanging_forever(ranks)
     run.raise_first()
     assert isinstance(run.results[0], CommschedTimeout)
     assert any(p.startswith("a#0") for p in run.results[0].pending)
+
+
+def test_a_follower_that_loses_the_store_fails_clearly_and_so_does_rank0(ranks):
+    """The follower cannot read rank 0's decisions (its store connection broke): an error, not a hang."""
+    from commsched.store import InMemoryStore
+
+    class BrokenPopStore(InMemoryStore):
+        def pop(self, queue, timeout_s):
+            raise ConnectionError("store connection reset")
+
+    def body(rank, s):
+        futures = submit_step(s, [("a", 2), ("b", 2)])
+        return expect_failure(s, futures)
+
+    run = ranks(2, body, config=CFG, store=BrokenPopStore())
+    run.raise_first()
+    assert isinstance(run.results[1], CommschedError)
+    assert "lost contact with rank 0" in str(run.results[1])
+    assert isinstance(run.results[1].__cause__, ConnectionError)
+    assert isinstance(run.results[0], RemoteAbort) and "lost contact" in str(run.results[0])

@@ -1,7 +1,7 @@
 """The scheduler's invariants under random workloads (hypothesis), ranks as threads.
 
-Each example: 2-5 ranks on an :class:`InProcessWorld`, a few tensors of random
-sizes, dtypes and priorities, a random partition size and credit, 1-3 steps with
+Each example: 2-5 ranks on an :class:`InProcessWorld` (instant or finite link), a
+few tensors of random sizes, dtypes and priorities, a random partition size and credit, 1-3 steps with
 ``mark_step()``, and per-rank seeded random sleeps before each submission to
 perturb readiness (they only shuffle timing; nothing waits on them). Checked:
 
@@ -74,6 +74,8 @@ def workloads(draw, ordering: str):
         "partition_bytes": draw(st.integers(4, 48)),
         "credit_bytes": draw(st.integers(4, 96)),
         "seed": draw(st.integers(0, 2**31 - 1)),
+        # a finite link keeps pieces in flight, so the credit binds (None: instant link)
+        "bandwidth": draw(st.sampled_from([None, 2e5, 1e6])),
     }
 
 
@@ -120,7 +122,7 @@ def run_workload(ranks, wl: dict, ordering: str) -> None:
             assert future.result(timeout=0) is tensor
         return tensors, scheduler.stats()
 
-    run = ranks(world_size, body, config=config, setup=observe)
+    run = ranks(world_size, body, config=config, setup=observe, bandwidth_bytes_per_s=wl.get("bandwidth"))
     run.raise_first()
     assert run.close_errors == [None] * world_size
     world = run.world
@@ -185,7 +187,7 @@ def run_workload(ranks, wl: dict, ordering: str) -> None:
 
 
 # A few examples keep the suite fast; COMMSCHED_TEST_EXAMPLES=500 hunts for rare interleavings.
-EXAMPLES = int(os.environ.get("COMMSCHED_TEST_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("COMMSCHED_TEST_EXAMPLES", "40"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -204,3 +204,17 @@ def test_the_store_does_not_grow_over_a_long_run(ranks, ordering):
     run.raise_first()
     assert sizes[299] <= sizes[9] + world_size, sizes  # at most a trailing END marker per follower
     assert sizes[299] <= 2 * world_size, sizes
+
+
+def test_background_threads_are_named_and_not_daemons(ranks):
+    seen = {}
+
+    def body(rank, s):
+        one_step(rank, s)
+        seen[rank] = {t.name: t.daemon for t in commsched_threads() if t.name.endswith(f"-r{rank}")}
+
+    run = ranks(2, body, config=SchedulerConfig(timeout_s=10))
+    run.raise_first()
+    assert set(seen[0]) >= {"commsched-dispatch-r0", "commsched-complete-r0", "commsched-publish-r0"}
+    assert set(seen[1]) >= {"commsched-dispatch-r1", "commsched-complete-r1", "commsched-order-r1"}
+    assert not any(daemon for per_rank in seen.values() for daemon in per_rank.values())

@@ -292,3 +292,96 @@ def test_static_ordering_sends_no_per_step_messages_once_the_plan_is_fixed(ranks
                                                 timeout_s=10), world=world, store=store)
     run.raise_first()
     assert snapshot["end"] == snapshot["writes"], "the leader kept writing to the store after the plan was fixed"
+
+
+class NameMatchingWorld:
+    """An engine that matches operations by name, as Horovod does: order need not agree."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._lock = threading.Lock()
+        self._arrived: dict[str, dict[int, tuple]] = {}
+        self.issued: list[list[str]] = [[] for _ in range(world_size)]
+        self.in_flight = [0] * world_size
+        self.max_in_flight = [0] * world_size
+
+    def backend(self, rank: int):
+        world = self
+        return type("NameMatchingBackend", (), {
+            "rank": rank, "world_size": self.world_size, "negotiates_order": True,
+            "start": lambda _self, piece, done: world._start(rank, piece, done)})()
+
+    def _start(self, rank, piece, done) -> None:
+        with self._lock:
+            self.issued[rank].append(piece.name)
+            self.in_flight[rank] += piece.nbytes
+            self.max_in_flight[rank] = max(self.max_in_flight[rank], self.in_flight[rank])
+            arrived = self._arrived.setdefault(piece.name, {})
+            arrived[rank] = (piece, done)
+            if len(arrived) < self.world_size:
+                return
+            del self._arrived[piece.name]
+            views = [p.view for p, _ in arrived.values()]
+            for i in range(len(views[0])):
+                total = sum(v[i] for v in views)
+                for v in views:
+                    v[i] = total
+            for r, (p, _) in arrived.items():
+                self.in_flight[r] -= p.nbytes
+        for _, (_, d) in sorted(arrived.items()):
+            d(None)
+
+
+def test_with_an_engine_that_negotiates_order_only_rank0_paces_and_the_others_issue_at_once():
+    world = NameMatchingWorld(2)
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10)
+    scheds = [Scheduler(world.backend(r), ArrayOps(), cfg) for r in range(2)]  # no store needed
+    assert [s.mode for s in scheds] == ["local", "immediate"]
+    names = [f"layer{i}" for i in range(5)]
+    tensors = [[doubles(4, r + 1.0) for _ in names] for r in range(2)]
+    order = {0: list(range(5)), 1: list(reversed(range(5)))}
+    barrier = threading.Barrier(2, timeout=10)
+    errors: list = []
+
+    def run(rank):
+        try:
+            barrier.wait()
+            for i in order[rank]:
+                scheds[rank].submit(names[i], tensors[rank][i], priority=i)
+            scheds[rank].mark_step()
+            scheds[rank].synchronize(timeout=5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for s in scheds:
+        s.close()
+    assert errors == []
+    assert all(list(t) == [3.0] * 4 for per_rank in tensors for t in per_rank)
+    assert world.max_in_flight[0] <= 32  # rank 0 keeps the credit
+    submitted_1 = [f"{names[i]}#{k}" for i in order[1] for k in range(2)]
+    assert world.issued[1] == submitted_1  # rank 1 issues in its own ready order, without waiting
+    assert sorted(world.issued[0]) == sorted(submitted_1)
+
+
+def test_a_name_submitted_twice_in_a_step_before_it_started_is_rejected():
+    world = InProcessWorld(1)
+    gate = GatedBackend(world.backend(0))
+    try:
+        with Scheduler(gate, ArrayOps(), SchedulerConfig(timeout_s=10)) as s:
+            s.submit("blocker", doubles(1))
+            assert gate.entered.wait(5)
+            first = s.submit("w", doubles(2))
+            with pytest.raises(ValueError, match="'w'.*twice"):
+                s.submit("w", doubles(2))
+            gate.release.set()
+            s.mark_step()
+            s.synchronize()
+            assert first.done() and first.exception() is None
+    finally:
+        gate.release.set()
+        world.close()
