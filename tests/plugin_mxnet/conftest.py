@@ -1,0 +1,111 @@
+"""Run MXNet parameter-server jobs (scheduler + servers + workers on loopback) with
+``commsched launch mxnet``, each under a timeout, and find any process a job left behind.
+
+Every job's processes carry ``COMMSCHED_TEST_JOB=<uuid>`` in their environment, so
+stray ones are found by that tag (read from /proc) and ended by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "worker.py"
+REPO = HERE.parents[1]
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Pids of live processes whose environment holds ``COMMSCHED_TEST_JOB=tag``."""
+    needle = f"COMMSCHED_TEST_JOB={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class Job:
+    """What a finished job left: exit status, output, per-rank JSON results, stray pids."""
+
+    returncode: int
+    output: str
+    results: dict[int, object] = field(default_factory=dict)
+    stray: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def run_job(out: Path, *worker_args: str, command: list[str] | None = None, workers: int = 2, servers: int = 1,
+            timeout: float = 120.0, grace: float = 5.0, env: dict | None = None) -> Job:
+    """Run ``worker.py --out out worker_args`` (or ``command``) on a launched job; never hang.
+
+    The launcher gets ``timeout - 15`` seconds for the whole job; past ``timeout`` the
+    test kills it (SIGTERM first, so it can stop its children) and fails.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex
+    worker_cmd = command or [sys.executable, str(WORKER), "--out", str(out), *worker_args]
+    cmd = [sys.executable, "-m", "commsched", "launch", "mxnet", "--workers", str(workers), "--servers",
+           str(servers), "--timeout", str(timeout - 15), "--grace", str(grace), "--", *worker_cmd]
+    penv = dict(os.environ, COMMSCHED_TEST_JOB=tag, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=penv, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        _kill(tagged_pids(tag))
+        pytest.fail(f"the job did not finish within {timeout} s (a hang):\n{output[-4000:]}")
+    seconds = time.monotonic() - start
+    stray = tagged_pids(tag)
+    _kill(stray)
+    results = {}
+    for path in sorted(out.glob("rank*.json")):
+        results[int(path.stem[4:])] = json.loads(path.read_text())
+    return Job(proc.returncode, output, results, stray, seconds)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def launch():
+    """:func:`run_job` itself, for module-scoped fixtures."""
+    return run_job
+
+
+@pytest.fixture
+def job(tmp_path):
+    """``job(*worker_args, **kw)`` runs worker.py on a launched 2-worker, 1-server job."""
+    counter = iter(range(100))
+
+    def run(*worker_args: str, **kw) -> Job:
+        return run_job(tmp_path / f"job{next(counter)}", *worker_args, **kw)
+    return run

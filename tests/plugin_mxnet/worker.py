@@ -1,0 +1,280 @@
+"""One worker of a dist_sync job started by ``commsched launch mxnet`` (see conftest.run_job).
+
+Modes:
+  scenarios  train each --scenario twice: with plain dist_sync (the reference) and
+             with the commsched KVStore; record whether the weights are bitwise equal.
+  order      pushpull keys in a rank-dependent order at a credit of one piece;
+             record whether the job finished and the sums are right.
+  die        rank 1 exits hard after a few steps; rank 0 records the error it got.
+
+Each rank writes ``<out>/rank<r>.json``. All scenarios share one ps-lite store, so
+each reference uses its own key range (through OffsetKVStore, which issues exactly
+the plain dist_sync calls the Trainer would, whole arrays, under shifted keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import numpy
+
+if "bool" not in numpy.__dict__:  # mxnet 1.9.1 on numpy >= 1.24 (entry point, not library code)
+    numpy.bool = numpy.bool_
+
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
+
+import commsched  # noqa: E402
+import commsched.plugins.mxnet as cmx  # noqa: E402
+
+BATCH = 8
+FEATURES = 32
+
+
+class OffsetKVStore(mx.kv.KVStoreBase):
+    """Plain dist_sync under keys shifted by ``offset`` (the reference; no commsched)."""
+
+    def __init__(self, inner: mx.kv.KVStore, offset: int, optimizer: bool) -> None:
+        self.inner, self.offset, self.optimizer = inner, offset, optimizer
+
+    type = property(lambda self: self.inner.type)
+    rank = property(lambda self: self.inner.rank)
+    num_workers = property(lambda self: self.inner.num_workers)
+
+    def is_capable(self, capability):
+        return self.optimizer
+
+    def broadcast(self, key, value, out, priority=0):
+        self.inner.broadcast(key + self.offset, value, out, priority=priority)
+        # mxnet 1.9.1 race: without this wait the first gradient push of a key can
+        # reach the server before this worker's pull of the initial value, which
+        # then returns the gradient sum (about one run in four here). The reference
+        # must be right, so it waits; commsched's broadcast waits too.
+        for o in out if isinstance(out, (list, tuple)) else [out]:
+            o.wait_to_read()
+
+    def pushpull(self, key, value, out=None, priority=0):
+        self.inner.pushpull(key + self.offset, value, out=out, priority=priority)
+
+    def set_optimizer(self, optimizer):
+        self.inner.set_optimizer(optimizer)
+
+    def _barrier(self):
+        self.inner._barrier()
+
+
+def make_net(seed: int) -> gluon.nn.Sequential:
+    mx.random.seed(seed)
+    net = gluon.nn.Sequential()
+    net.add(gluon.nn.Dense(48, in_units=FEATURES, activation="relu"),
+            gluon.nn.Dense(40, in_units=48, activation="tanh"),
+            gluon.nn.Dense(10, in_units=40))
+    net.initialize(mx.init.Xavier(magnitude=2.0))
+    return net
+
+
+def optimizer(name: str):
+    if name == "sgd_momentum":
+        return "sgd", {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-4}
+    if name == "adam":
+        return "adam", {"learning_rate": 0.01}
+    raise ValueError(name)
+
+
+def batches(rank: int, steps: int, accumulate: int):
+    rs = numpy.random.RandomState(1000 + rank)
+    return [[(mx.nd.array(rs.rand(BATCH, FEATURES)), mx.nd.array(rs.randint(0, 10, BATCH)))
+             for _ in range(accumulate)] for _ in range(steps)]
+
+
+def train(net, trainer, data, sc, kv=None, log=None):
+    """Train on ``data``; for commsched, note whether each forward was queued while results were pending."""
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    params = net.collect_params()
+    for step, micro in enumerate(data):
+        if kv is not None and log is not None and step > 0:
+            log.append(kv.outstanding())  # > 0: this forward is queued before the last step's pulls landed
+        for x, y in micro:
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+        trainer.step(BATCH * len(micro))
+        if sc.get("grad_req") == "add":
+            params.zero_grad()
+    mx.nd.waitall()
+
+
+def weights(net):
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+def run_scenario(inner, index: int, sc: dict) -> dict:
+    steps = sc.get("steps", 5)
+    accumulate = 2 if sc.get("grad_req") == "add" else 1
+    server = bool(sc.get("update_on_kvstore"))
+    data = batches(inner.rank, steps, accumulate)
+    name, opts = optimizer(sc.get("optimizer", "sgd_momentum"))
+
+    ref_net = make_net(7)
+    if sc.get("grad_req"):
+        ref_net.collect_params().setattr("grad_req", sc["grad_req"])
+    ref_kv = OffsetKVStore(inner, 1000 * (index + 1), optimizer=server)
+    ref_trainer = gluon.Trainer(ref_net.collect_params(), name, dict(opts), kvstore=ref_kv, update_on_kvstore=server)
+    train(ref_net, ref_trainer, data, sc)
+
+    config = commsched.SchedulerConfig(partition_bytes=sc.get("partition", 1024), credit_bytes=sc.get("credit", 2048),
+                                       ordering=sc.get("ordering", "dynamic"), timeout_s=60)
+    kv = cmx.KVStore(inner, config, update_on_kvstore=server, gate=sc.get("gate", "auto"))
+    if sc.get("delay"):
+        start, delay = kv._backend.start, sc["delay"]
+
+        def delayed(piece, done):  # the scheduler is late on purpose: every piece waits
+            time.sleep(delay)
+            start(piece, done)
+        kv._backend.start = delayed
+    net = make_net(7)
+    if sc.get("grad_req"):
+        net.collect_params().setattr("grad_req", sc["grad_req"])
+    trainer = gluon.Trainer(net.collect_params(), name, dict(opts), kvstore=kv, update_on_kvstore=server)
+    queued_while_pending: list[int] = []
+    result = {"scenario": sc, "rank": inner.rank, "gate_mode": kv.gate_mode}
+    if sc.get("save_load"):
+        # Train half, save the optimizer states, continue with a fresh Trainer (and a
+        # fresh commsched KVStore) that loads them: must equal uninterrupted training.
+        half = steps // 2
+        train(net, trainer, data[:half], sc, kv, queued_while_pending)
+        path = os.path.join(tempfile.mkdtemp(), f"states{inner.rank}")
+        trainer.save_states(path)
+        kv.close()
+        kv = cmx.KVStore(inner, config)
+        trainer = gluon.Trainer(net.collect_params(), name, dict(opts), kvstore=kv)
+        trainer.load_states(path)
+        train(net, trainer, data[half:], sc, kv, queued_while_pending)
+    else:
+        train(net, trainer, data, sc, kv, queued_while_pending)
+        if server:
+            try:
+                trainer.save_states(os.path.join(tempfile.mkdtemp(), "states"))
+                result["save_states_error"] = None
+            except ValueError as exc:
+                result["save_states_error"] = str(exc)
+    kv.synchronize()
+    stats = kv.stats()
+    kv.close()
+    got, ref = weights(net), weights(ref_net)
+    result.update({
+        "bitwise": all(numpy.array_equal(a, b) for a, b in zip(got, ref, strict=True)),
+        "max_diff": max(float(numpy.abs(a - b).max()) for a, b in zip(got, ref, strict=True)),
+        "checksum": [float(sum(float(numpy.float64(a).sum()) for a in got)),
+                     float(sum(float(numpy.float64(a).sum()) for a in ref))],
+        "pieces": stats["pieces"],
+        "max_in_flight_bytes": stats["max_in_flight_bytes"],
+        "order": {str(k): v["order"] for k, v in stats["per_step"].items()},
+        "queued_while_pending": queued_while_pending,
+    })
+    return result
+
+
+def mode_scenarios(args) -> list:
+    inner = mx.kv.create("dist_sync")
+    scenarios = [json.loads(s) for s in args.scenario]
+    # A server-side optimizer applies to every key pushed after it is set: those last.
+    scenarios.sort(key=lambda sc: bool(sc.get("update_on_kvstore")))
+    results = []
+    for index, sc in enumerate(scenarios):
+        try:
+            results.append(run_scenario(inner, index, sc))
+        except Exception as exc:
+            results.append({"scenario": sc, "rank": inner.rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
+    write(args.out, inner.rank, {"results": results, "threads_left": commsched_threads()})
+    return results
+
+
+def mode_order(args) -> None:
+    """Keys pushed in opposite orders on the two ranks, one piece of credit."""
+    inner = mx.kv.create("dist_sync")
+    ordering = args.ordering
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=1024, ordering=ordering, timeout_s=3)
+    kv = cmx.KVStore(inner, config)
+    keys = list(range(8))
+    arrays = [mx.nd.full((1024,), float(k)) for k in keys]
+    kv.init(keys, arrays)
+    order = keys if kv.rank == 0 else keys[::-1]
+    result = {"rank": kv.rank, "ordering": ordering}
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            for k in order:
+                arrays[k][:] = float(k) * (kv.rank + 1)
+                kv.pushpull(k, arrays[k], priority=-k)
+            kv.synchronize()
+        result["sums_ok"] = all(bool((a.asnumpy() == 3.0 * k).all()) for k, a in zip(keys, arrays, strict=True))
+        result["error"] = None
+    except commsched.CommschedError as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["elapsed"] = time.monotonic() - start
+    write(args.out, kv.rank, result)
+    if result["error"] is not None:
+        # ps-lite still waits for the pushes that will never match; leave without its shutdown.
+        sys.stdout.flush()
+        os._exit(0)
+    kv.close()
+
+
+def mode_die(args) -> None:
+    inner = mx.kv.create("dist_sync")
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=args.timeout_s)
+    kv = cmx.KVStore(inner, config)
+    net = make_net(7)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05}, kvstore=kv)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    data = batches(kv.rank, 50, 1)
+    start = time.monotonic()
+    try:
+        for step, micro in enumerate(data):
+            if kv.rank == 1 and step == 3:
+                os._exit(3)  # dies without a word, as a killed process does
+            x, y = micro[0]
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            trainer.step(BATCH)
+            loss.asnumpy()
+    except Exception as exc:
+        write(args.out, kv.rank, {"rank": kv.rank, "error_type": type(exc).__name__, "error": str(exc),
+                                  "elapsed": time.monotonic() - start})
+        raise
+    write(args.out, kv.rank, {"rank": kv.rank, "error_type": None, "error": None})
+
+
+def write(out: str, rank: int, payload) -> None:
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f)
+    os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=["scenarios", "order", "die"], default="scenarios")
+    parser.add_argument("--scenario", action="append", default=[])
+    parser.add_argument("--ordering", default="dynamic")
+    parser.add_argument("--timeout-s", type=float, default=3.0)
+    args = parser.parse_args()
+    {"scenarios": mode_scenarios, "order": mode_order, "die": mode_die}[args.mode](args)
+
+
+def commsched_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("commsched")]
+
+
+if __name__ == "__main__":
+    main()
