@@ -104,9 +104,11 @@ class StuckBackend:
     def __init__(self) -> None:
         self.rank, self.world_size, self.negotiates_order = 0, 1, False
         self.started: list = []
+        self.entered = threading.Event()
 
     def start(self, piece, done) -> None:
         self.started.append((piece, done))
+        self.entered.set()
 
 
 def test_zero_size_tensors_complete_at_once_and_run_their_callback():
@@ -119,7 +121,8 @@ def test_zero_size_tensors_complete_at_once_and_run_their_callback():
         future = s.submit("empty", empty, on_done=lambda task: seen.append(task.name))
         assert future.result(timeout=5) is empty
         assert seen == ["empty"]
-        assert all(p.name != "empty#0" for p, _ in backend.started)
+        assert backend.entered.wait(5)
+        assert [p.name for p, _ in backend.started] == ["big#0"]
         assert s.pending() == ["big#0 (in flight)"]
     finally:
         for _, done in backend.started:
