@@ -111,3 +111,9 @@ def run_scenario(scenario: str, tmp_path: Path, *, timeout: float = 120.0, env: 
 def tf_job():
     """:func:`run_scenario`, for tests and module-scoped fixtures."""
     return run_scenario
+
+
+@pytest.fixture(scope="session")
+def tf_worker_env():
+    """:func:`worker_env`: the environment for a TensorFlow worker process."""
+    return worker_env
