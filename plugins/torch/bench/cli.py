@@ -121,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"commsched bench: interrupted ({exc or 'SIGINT'}); network torn down, "
               f"logs in {work_dir}", file=sys.stderr)
         return 130
+    if baseline.status == "ok":
+        from commsched.plugins.torch.bench.workloads import format_layers
+
+        r0 = baseline.ranks[0]
+        print(f"{workload.name}: {r0['param_bytes'] / 1e6:.1f} MB of parameters; per layer "
+              f"(rank 0 alone):\n{format_layers(r0['layers'])}", file=sys.stderr)
     run_config = {
         "workload": config.workload, "workers": config.workers, "nodes": config.nodes,
         "bandwidth": config.bandwidth, "intra_bandwidth": config.intra_bandwidth,
