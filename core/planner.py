@@ -130,9 +130,14 @@ class Plan:
         """Modelled time at which the last piece arrives."""
         return max((p.finish for p in self.pieces), default=0.0)
 
-    def by_tensor(self) -> list[list[PlannedPiece]]:
-        """For each tensor (in the order given to :func:`plan`), its pieces by index."""
-        count = 1 + max((p.tensor for p in self.pieces), default=-1)
+    def by_tensor(self, count: int | None = None) -> list[list[PlannedPiece]]:
+        """For each tensor (in the order given to :func:`plan`), its pieces by index.
+
+        ``count``: the number of tensors given to :func:`plan` (zero-size tensors have
+        no pieces, so the plan alone cannot tell how many trailing ones there were).
+        """
+        if count is None:
+            count = 1 + max((p.tensor for p in self.pieces), default=-1)
         out: list[list[PlannedPiece]] = [[] for _ in range(count)]
         for p in self.pieces:
             out[p.tensor].append(p)

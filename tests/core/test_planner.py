@@ -57,6 +57,7 @@ def test_every_piece_is_planned_exactly_once_with_the_schedulers_bounds(problem)
         assert [(p.start, p.stop) for p in mine] == piece_bounds(t.numel, t.element_size, partition)
         assert [p.name for p in mine] == [f"{t.name}#{k}" for k in range(len(mine))]
         assert all(p.nbytes == (p.stop - p.start) * t.element_size for p in mine)
+        assert result.by_tensor(len(tensors))[i] == mine
 
 
 @settings(max_examples=120, deadline=None)
