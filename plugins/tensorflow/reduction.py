@@ -154,7 +154,7 @@ class GradientReducer:
         del self.plans[:-8]
         keys_start = self.backend.reserve(len(schedule.pieces))
         flats = [tf.reshape(v, [-1]) for v in values]
-        pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor()]
+        pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor(len(values))]
         last_on_slot: dict[int, tf.Tensor] = {}
         for k, piece in enumerate(schedule.pieces):
             value = values[piece.tensor]

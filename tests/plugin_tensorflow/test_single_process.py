@@ -109,6 +109,15 @@ def test_graph_holds_k_token_chains_in_plan_order_and_results_are_exact():
     assert keys.counter_value() - before == len(plan.pieces)
 
 
+def test_zero_size_gradients_pass_through_between_others():
+    reducer = GradientReducer(CONFIG)
+    values = [tf.ones([20]), tf.zeros([0, 3]), tf.fill([5], 2.0), tf.zeros([0])]
+    out = tf.function(lambda *vs: _local_reduce(reducer, list(vs)))(*values)
+    for a, b in zip(out, values, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def test_with_one_replica_nothing_is_communicated():
     reducer = GradientReducer(CONFIG)
     grads = [tf.ones([3]), None]
