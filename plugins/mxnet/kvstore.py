@@ -594,47 +594,41 @@ class KVStore(mx.kv.KVStoreBase):
         for future, link in submitted:
             self._watch_future(future, link)
 
-    def _submit(self, transfer: Transfer, priority: int, step: int, link: _Link | None) -> Future | None:
+    def _submit(self, transfer: Transfer, priority: int, step: int, link: _Link) -> Future | None:
         with self._lock:
             future = self._submit_locked(transfer, priority, step, link)
         self._watch_future(future, link)
         return future
 
-    def _watch_future(self, future: Future | None, link: _Link | None) -> None:
-        if future is not None:  # outside our lock: the callback may run right here
-            future.add_done_callback(lambda f: self._landed(f, link))
-
-    def _submit_locked(self, transfer: Transfer, priority: int, step: int, link: _Link | None) -> Future | None:
-        # Runs on the caller's thread (fallback) or on an MXNet engine thread: must
-        # not raise and must not wait for the engine. Holds self._lock.
+    def _submit_locked(self, transfer: Transfer, priority: int, step: int, link: _Link) -> Future | None:
+        # Runs on the caller's thread (fallback) or on an MXNet engine thread, with
+        # self._lock held: must not raise and must not wait for the engine.
+        if self._error is not None:  # failed already: nothing more is reduced
+            return None
         try:
-            if self._error is not None:
-                raise self._error
             if step > self._marked:
                 self._scheduler.mark_step()
                 self._marked = step
-            future = self._scheduler.submit(transfer.name, transfer, priority=priority)
+            return self._scheduler.submit(transfer.name, transfer, priority=priority)
         except BaseException as exc:
-            if self._error is None:
-                self._error = exc
-            if link is not None:
-                # Opening gates calls into the engine: not under our lock.
-                threading.Thread(target=self._after_failed_submit, args=(link,),
-                                 name="commsched-mx-unblock", daemon=False).start()
+            self._error = exc
             return None
-        return future
 
-    def _after_failed_submit(self, link: _Link) -> None:
+    def _watch_future(self, future: Future | None, link: _Link) -> None:
+        # Outside our lock: the callback may run right here, and opening gates calls the engine.
+        if future is not None:
+            future.add_done_callback(lambda f: self._landed(f, link))
+            return
+        # Not submitted (this store failed): let the engine go on; the error surfaces at the next call.
         link.finish()
         if self._gates is not None:
             self._gates.open_all()
 
-    def _landed(self, future: Future, link: _Link | None) -> None:
+    def _landed(self, future: Future, link: _Link) -> None:
         exc = future.exception()
         if exc is not None:
             self._fail(exc)
-        if link is not None:
-            link.finish()
+        link.finish()
 
     def _landed_one(self) -> None:
         with self._lock:

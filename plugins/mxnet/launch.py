@@ -123,6 +123,7 @@ class Job:
         self.port = port or free_port(host)
         self.base_env = dict(os.environ if env is None else env)
         self.procs: list[_Proc] = []
+        self.interrupted: int | None = None  # the signal that asked the job to stop
 
     def environment(self, role: str) -> dict[str, str]:
         """The environment of a process with DMLC_ROLE ``role``."""
@@ -143,11 +144,12 @@ class Job:
     def start(self) -> None:
         """Start the scheduler, the servers and the workers (in that order)."""
         ps_cmd = [sys.executable, "-c", _PS_ROLE_CODE]
-        self._spawn("scheduler", 0, ps_cmd)
-        for i in range(self.servers):
-            self._spawn("server", i, ps_cmd)
-        for i in range(self.workers):
-            self._spawn("worker", i, self.command)
+        roles = [("scheduler", 0, ps_cmd)] + [("server", i, ps_cmd) for i in range(self.servers)]
+        roles += [("worker", i, self.command) for i in range(self.workers)]
+        for role, index, cmd in roles:
+            if self.interrupted is not None:
+                return
+            self._spawn(role, index, cmd)
 
     def _spawn(self, role: str, index: int, cmd: list[str]) -> None:
         try:
@@ -172,6 +174,10 @@ class Job:
         status = 0
         failed_at = None
         while True:
+            if self.interrupted is not None:
+                name = signal.Signals(self.interrupted).name
+                print(f"commsched launch: {name}; stopping the job", file=sys.stderr, flush=True)
+                return 128 + self.interrupted
             for proc in self.procs:
                 code = proc.popen.poll()
                 if code is not None and code != 0 and failed_at is None:
@@ -230,37 +236,34 @@ class Job:
                 proc.popen.send_signal(sig)
 
 
-class _Terminated(Exception):
-    pass
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated()
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run ``commsched launch``: start the job, wait for it, stop whatever is left. Returns the exit status."""
+    """Run ``commsched launch``: start the job, wait for it, stop whatever is left. Returns the exit status.
+
+    SIGINT (Ctrl-C) and SIGTERM only set a flag that the wait loop reads, so a
+    signal can never land between starting a process and recording its pid.
+    """
     args, command = _split(args)
     try:
         job = Job(command, workers=args.workers, servers=args.servers, host=args.host, port=args.port)
     except (ValueError, OSError) as exc:
         print(f"commsched launch: {exc}", file=sys.stderr)
         return 2
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def on_signal(signum: int, frame: object) -> None:
+        job.interrupted = signum
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = 1
     try:
         job.start()
         status = job.wait(args.timeout, args.grace)
-    except KeyboardInterrupt:
-        print("commsched launch: interrupted; stopping the job", file=sys.stderr, flush=True)
-        status = 130
-    except _Terminated:
-        print("commsched launch: terminated; stopping the job", file=sys.stderr, flush=True)
-        status = 143
     except RuntimeError as exc:
         print(f"commsched launch: {exc}", file=sys.stderr, flush=True)
         status = 1
     finally:
-        job.stop()
-        signal.signal(signal.SIGTERM, previous)
+        try:
+            job.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return status

@@ -53,17 +53,19 @@ class Job:
 
 
 def run_job(out: Path, *worker_args: str, command: list[str] | None = None, workers: int = 2, servers: int = 1,
-            timeout: float = 120.0, grace: float = 5.0, env: dict | None = None) -> Job:
+            timeout: float = 120.0, grace: float = 5.0, env: dict | None = None,
+            job_timeout: float | None = None) -> Job:
     """Run ``worker.py --out out worker_args`` (or ``command``) on a launched job; never hang.
 
-    The launcher gets ``timeout - 15`` seconds for the whole job; past ``timeout`` the
-    test kills it (SIGTERM first, so it can stop its children) and fails.
+    The launcher gets ``job_timeout`` (default ``timeout - 15``) seconds for the whole
+    job; past ``timeout`` the test kills it (SIGTERM first, so it can stop its
+    children) and fails.
     """
     out.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex
     worker_cmd = command or [sys.executable, str(WORKER), "--out", str(out), *worker_args]
     cmd = [sys.executable, "-m", "commsched", "launch", "mxnet", "--workers", str(workers), "--servers",
-           str(servers), "--timeout", str(timeout - 15), "--grace", str(grace), "--", *worker_cmd]
+           str(servers), "--timeout", str(job_timeout or timeout - 15), "--grace", str(grace), "--", *worker_cmd]
     penv = dict(os.environ, COMMSCHED_TEST_JOB=tag, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=penv, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -93,6 +95,12 @@ def _kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture(scope="session")
+def find_tagged():
+    """:func:`tagged_pids`: live processes of a job, by its tag."""
+    return tagged_pids
 
 
 @pytest.fixture(scope="session")

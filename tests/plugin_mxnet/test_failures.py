@@ -1,0 +1,48 @@
+"""Order agreement at a small credit, and failures that must end clearly instead of hanging.
+
+Each test launches a real dist_sync job (scheduler + server + 2 workers on loopback).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mxnet")
+
+
+@pytest.mark.timeout(90)
+def test_opposite_submission_orders_do_not_deadlock_with_worker_0_deciding(job):
+    # Rank 1 pushes the keys in reverse order, and one piece fits in the credit:
+    # only an agreed order can finish (dist_sync answers a push once every worker sent it).
+    run = job("--mode", "order", "--ordering", "dynamic", timeout=75)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.stray == []
+    for rank in (0, 1):
+        assert run.results[rank]["error"] is None, run.results[rank]
+        assert run.results[rank]["sums_ok"]
+
+
+@pytest.mark.timeout(90)
+def test_without_agreement_the_same_credit_deadlocks_and_is_reported(job):
+    # The control for the test above: 'fifo' trusts the local order, which differs
+    # here, so both windows wait for keys the other worker never sends. The wait
+    # must end in a CommschedTimeout naming the stuck pieces, not a hang.
+    run = job("--mode", "order", "--ordering", "fifo", timeout=75, grace=3)
+    assert run.stray == []
+    for rank in (0, 1):
+        result = run.results[rank]
+        assert result["error"] is not None and result["error"].startswith("CommschedTimeout"), result
+        assert "still pending" in result["error"]
+        assert result["elapsed"] < 30
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_dies_makes_the_other_fail_clearly_and_the_launcher_stops_all(job):
+    run = job("--mode", "die", "--timeout-s", "3", timeout=75, grace=12)
+    assert run.returncode != 0
+    assert "exited with status 3" in run.output, run.output[-3000:]  # the launcher names the dead worker
+    survivor = run.results[0]
+    assert survivor["error_type"] in ("CommschedTimeout", "RemoteAbort", "CommunicationError"), survivor
+    assert survivor["elapsed"] < 30
+    assert "CommschedTimeout" in run.output or "RemoteAbort" in run.output  # the traceback is printed
+    assert run.stray == [], "the launcher left processes running"
