@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = ["Job", "add_arguments", "run", "free_port"]
 
@@ -110,7 +111,8 @@ class Job:
     """
 
     def __init__(self, command: list[str], workers: int, servers: int, host: str = "127.0.0.1",
-                 port: int = 0, env: dict[str, str] | None = None) -> None:
+                 port: int = 0, env: dict[str, str] | None = None,
+                 place: Callable[[str, int], tuple[list[str], dict[str, str]]] | None = None) -> None:
         if not command:
             raise ValueError("no worker command given; put it after '--', e.g. "
                              "commsched launch mxnet --workers 2 --servers 1 -- python train.py")
@@ -124,6 +126,9 @@ class Job:
         self.base_env = dict(os.environ if env is None else env)
         self.procs: list[_Proc] = []
         self.interrupted: int | None = None  # the signal that asked the job to stop
+        # place(role, index) -> (command prefix, environment overrides): where a
+        # process runs, e.g. ["ip", "netns", "exec", ns] and its DMLC_NODE_HOST.
+        self.place = place
 
     def environment(self, role: str) -> dict[str, str]:
         """The environment of a process with DMLC_ROLE ``role``."""
@@ -152,8 +157,13 @@ class Job:
             self._spawn(role, index, cmd)
 
     def _spawn(self, role: str, index: int, cmd: list[str]) -> None:
+        env = self.environment(role)
+        if self.place is not None:
+            prefix, overrides = self.place(role, index)
+            cmd = [*prefix, *cmd]
+            env.update(overrides)
         try:
-            popen = subprocess.Popen(cmd, env=self.environment(role), start_new_session=True)
+            popen = subprocess.Popen(cmd, env=env, start_new_session=True)
         except OSError as exc:
             raise RuntimeError(f"could not start the {role} ({' '.join(cmd)!r}): {exc}") from exc
         self.procs.append(_Proc(role, index, popen))
