@@ -57,7 +57,9 @@ def test_baseline_bounds_follow_their_definitions():
     assert base["compute_s"] == pytest.approx(0.65)
     assert base["lower_bound_s"] == pytest.approx(0.65)  # max(compute 0.65, comm 0.5)
     assert base["no_overlap_s"] == pytest.approx(1.15)
-    assert base["ceiling_speedup_vs_ddp"] == pytest.approx((0.2 + 0.5) / 0.65)
+    # backward 0.4 < comm 0.5: DDP pays forward + comm + optimizer
+    assert base["ddp_model_s"] == pytest.approx(0.2 + 0.5 + 0.05)
+    assert base["ceiling_speedup_vs_ddp"] == pytest.approx((0.2 + 0.5 + 0.05) / 0.65)
     assert base["compute_under_comm_s"] == pytest.approx(0.75)
     assert base["under_comm_coverage"] == pytest.approx(0.5 / 0.75)
     assert base["comm_workers_cpu_busy"] == pytest.approx(2 * 1.0 / 2.0 / _cpus())
@@ -89,10 +91,19 @@ def test_strategy_metrics_speedup_and_estimated_bubbles():
     assert r_hvd["speedup_vs_ddp"] == pytest.approx(1.0 / 0.8)
     assert r_own["overlap_ratio"] == pytest.approx((0.65 + 0.5 - 0.7) / 0.5)
     assert r_own["efficiency"] == pytest.approx(0.65 / 0.7)
+    assert not any("beats the lower bound" in w for w in report["warnings"])
     assert r_own["throughput_samples_s"] == pytest.approx(16 / 0.7)
     assert r_ddp["params_consistent"] and not r_hvd["params_consistent"]
     assert any("horovod: ranks ended with different parameters" in w for w in report["warnings"])
     assert all(r["cpu_warning"] for r in report["results"])  # 0.95 > 0.9
+
+
+def test_a_step_below_the_lower_bound_is_flagged():
+    fast = PhaseResult("static", "ok", [_train_rank([0.5] * 4, "commsched", bubbles=[0.0] * 4),
+                                        _train_rank([0.5] * 4, "commsched", bubbles=[0.0] * 4)])
+    report = _report([fast])
+    assert report["results"][0]["efficiency"] == pytest.approx(0.65 / 0.5)
+    assert any("static: step 0.500 s beats the lower bound" in w for w in report["warnings"])
 
 
 def test_skipped_and_failed_strategies_keep_their_row_and_reason():
