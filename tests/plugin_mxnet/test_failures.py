@@ -10,27 +10,32 @@ import pytest
 pytest.importorskip("mxnet")
 
 
+@pytest.fixture(scope="module")
+def opposite_orders(tmp_path_factory, launch):
+    # Rank 1 pushes the keys in reverse order and one piece fits in the credit; one
+    # job runs it with worker 0 deciding, then with 'fifo' (which ends stuck).
+    run = launch(tmp_path_factory.mktemp("order"), "--mode", "order", timeout=75, grace=1)
+    assert run.stray == [], f"processes left running: {run.stray}"
+    assert sorted(run.results) == [0, 1], run.output[-3000:]
+    return run.results
+
+
 @pytest.mark.timeout(90)
-def test_opposite_submission_orders_do_not_deadlock_with_worker_0_deciding(job):
-    # Rank 1 pushes the keys in reverse order, and one piece fits in the credit:
-    # only an agreed order can finish (dist_sync answers a push once every worker sent it).
-    run = job("--mode", "order", "--ordering", "dynamic", timeout=75)
-    assert run.returncode == 0, run.output[-3000:]
-    assert run.stray == []
+def test_opposite_submission_orders_do_not_deadlock_with_worker_0_deciding(opposite_orders):
+    # dist_sync answers a push once every worker sent that key: only an agreed order can finish.
     for rank in (0, 1):
-        assert run.results[rank]["error"] is None, run.results[rank]
-        assert run.results[rank]["sums_ok"]
+        result = opposite_orders[rank]["dynamic"]
+        assert result["error"] is None, result
+        assert result["sums_ok"]
 
 
 @pytest.mark.timeout(90)
-def test_without_agreement_the_same_credit_deadlocks_and_is_reported(job):
+def test_without_agreement_the_same_credit_deadlocks_and_is_reported(opposite_orders):
     # The control for the test above: 'fifo' trusts the local order, which differs
     # here, so both windows wait for keys the other worker never sends. The wait
     # must end in a CommschedTimeout naming the stuck pieces, not a hang.
-    run = job("--mode", "order", "--ordering", "fifo", timeout=75, grace=3)
-    assert run.stray == []
     for rank in (0, 1):
-        result = run.results[rank]
+        result = opposite_orders[rank]["fifo"]
         assert result["error"] is not None and result["error"].startswith("CommschedTimeout"), result
         assert "still pending" in result["error"]
         assert result["elapsed"] < 30

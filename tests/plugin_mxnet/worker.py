@@ -3,8 +3,8 @@
 Modes:
   scenarios  train each --scenario twice: with plain dist_sync (the reference) and
              with the commsched KVStore; record whether the weights are bitwise equal.
-  order      pushpull keys in a rank-dependent order at a credit of one piece;
-             record whether the job finished and the sums are right.
+  order      pushpull keys in a rank-dependent order at a credit of one piece, with
+             'dynamic' then 'fifo'; record whether each finished with the right sums.
   die        rank 1 exits hard after a few steps; rank 0 records the error it got.
 
 Each rank writes ``<out>/rank<r>.json``. All scenarios share one ps-lite store, so
@@ -198,34 +198,36 @@ def mode_scenarios(args) -> list:
 
 
 def mode_order(args) -> None:
-    """Keys pushed in opposite orders on the two ranks, one piece of credit."""
+    """Keys pushed in opposite orders on the two ranks, one piece of credit: first with
+    worker 0 deciding (must finish), then with 'fifo' (must deadlock and say so)."""
     inner = mx.kv.create("dist_sync")
-    ordering = args.ordering
-    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=1024, ordering=ordering, timeout_s=3)
-    kv = cmx.KVStore(inner, config)
-    keys = list(range(8))
-    arrays = [mx.nd.full((1024,), float(k)) for k in keys]
-    kv.init(keys, arrays)
-    order = keys if kv.rank == 0 else keys[::-1]
-    result = {"rank": kv.rank, "ordering": ordering}
-    start = time.monotonic()
-    try:
-        for _ in range(3):
-            for k in order:
-                arrays[k][:] = float(k) * (kv.rank + 1)
-                kv.pushpull(k, arrays[k], priority=-k)
-            kv.synchronize()
-        result["sums_ok"] = all(bool((a.asnumpy() == 3.0 * k).all()) for k, a in zip(keys, arrays, strict=True))
-        result["error"] = None
-    except commsched.CommschedError as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    result["elapsed"] = time.monotonic() - start
-    write(args.out, kv.rank, result)
-    if result["error"] is not None:
-        # ps-lite still waits for the pushes that will never match; leave without its shutdown.
-        sys.stdout.flush()
-        os._exit(0)
-    kv.close()
+    results = {}
+    for ordering in ("dynamic", "fifo"):
+        config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=1024, ordering=ordering, timeout_s=3)
+        kv = cmx.KVStore(inner, config)
+        keys = list(range(8))
+        arrays = [mx.nd.full((1024,), float(k)) for k in keys]
+        kv.init(keys, arrays)
+        order = keys if kv.rank == 0 else keys[::-1]
+        result = results[ordering] = {"rank": kv.rank}
+        start = time.monotonic()
+        try:
+            for _ in range(3):
+                for k in order:
+                    arrays[k][:] = float(k) * (kv.rank + 1)
+                    kv.pushpull(k, arrays[k], priority=-k)
+                kv.synchronize()
+            result["sums_ok"] = all(bool((a.asnumpy() == 3.0 * k).all()) for k, a in zip(keys, arrays, strict=True))
+            result["error"] = None
+        except commsched.CommschedError as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["elapsed"] = time.monotonic() - start
+        if result["error"] is None:
+            kv.close()
+    write(args.out, inner.rank, results)
+    # ps-lite still waits for pushes that will never match; leave without its shutdown.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def mode_die(args) -> None:
@@ -270,7 +272,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--mode", choices=["scenarios", "order", "die"], default="scenarios")
     parser.add_argument("--scenario", action="append", default=[])
-    parser.add_argument("--ordering", default="dynamic")
     parser.add_argument("--timeout-s", type=float, default=3.0)
     args = parser.parse_args()
     {"scenarios": mode_scenarios, "order": mode_order, "die": mode_die}[args.mode](args)
