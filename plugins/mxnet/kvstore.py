@@ -443,13 +443,18 @@ class KVStore(mx.kv.KVStoreBase):
             self._watch_cv.notify_all()
         self._watchdog.join(timeout=10.0)
         limit = self.config.timeout_s if timeout is None else timeout
+        if self._error is not None:
+            limit = min(limit, 5.0)  # failed: what is pending will not land
+        drain_error: BaseException | None = None
         try:
-            if self._error is not None:
-                limit = min(limit, 5.0)
             self._scheduler.close(limit)
+        except BaseException as exc:
+            drain_error = exc
         finally:
             self._close_resources()
-        self._raise_if_failed()
+        self._raise_if_failed()  # the first error says more than a drain timeout after it
+        if drain_error is not None:
+            raise drain_error
 
     def __enter__(self) -> "KVStore":
         return self

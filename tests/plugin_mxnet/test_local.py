@@ -73,6 +73,7 @@ def test_store_set_get_check_delete_and_timeouts():
 
 
 def test_store_queue_is_fifo_and_a_blocked_pop_does_not_block_other_threads():
+    before = set(threading.enumerate())
     server = StoreServer("127.0.0.1", 0)
     client = StoreClient(*server.address)
     got = []
@@ -88,7 +89,7 @@ def test_store_queue_is_fifo_and_a_blocked_pop_does_not_block_other_threads():
     assert got == [b"first", b"second"]
     client.close()
     server.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("commsched-store")]
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("commsched-store")]
 
 
 def test_a_closed_store_server_makes_clients_fail_instead_of_wait():
@@ -181,6 +182,7 @@ def test_misuse_errors_say_how_to_fix_it():
 
 
 def test_close_joins_every_thread_and_refuses_more_work():
+    before = set(threading.enumerate())  # other tests in this process may have threads of their own
     kv = cmx.KVStore("local", SMALL)
     a = mx.nd.ones((100,))
     kv.init(0, a)
@@ -188,7 +190,7 @@ def test_close_joins_every_thread_and_refuses_more_work():
     kv.synchronize()
     kv.close()
     kv.close()  # idempotent
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("commsched")]
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("commsched")]
     with pytest.raises(commsched.SchedulerClosed):
         kv.pushpull(0, a)
 
