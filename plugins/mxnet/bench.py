@@ -10,7 +10,8 @@ link is shaped with ``tc tbf`` (see :mod:`commsched.bench.netns`), so the server
 link carries every worker's push and pull. Each strategy is a fresh job; worker 0
 reports the median step time, measured as the interval between consecutive
 losses becoming ready (the usual per-step metric read). ``compute`` runs the same
-model alone, without any KVStore: the bound a perfect overlap approaches.
+model alone, without any KVStore, and ``comm`` only the plain dist_sync push/pull
+of the gradients: a perfect overlap approaches the larger of the two.
 
 Strategies: ``dist_sync`` (plain, local update), ``dist_sync_server`` (plain,
 optimizer on the server: the Trainer's default for dist_sync), ``fifo``,
@@ -38,8 +39,8 @@ __all__ = ["STRATEGIES", "add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("compute", "dist_sync", "dist_sync_server", "fifo", "dynamic", "static", "dynamic_server")
-DEFAULT_STRATEGIES = "compute,dist_sync,dist_sync_server,fifo,dynamic"
+STRATEGIES = ("compute", "comm", "dist_sync", "dist_sync_server", "fifo", "dynamic", "static", "dynamic_server")
+DEFAULT_STRATEGIES = "compute,comm,dist_sync,dist_sync_server,fifo,dynamic"
 MB = 1 << 20
 
 
@@ -178,7 +179,7 @@ def _worker(spec_path: str) -> None:
     strategy = spec["strategy"]
     kv = None
     trainer_args = {}
-    if strategy in ("dist_sync", "dist_sync_server"):
+    if strategy in ("dist_sync", "dist_sync_server", "comm"):
         kv = mx.kv.create("dist_sync")
         trainer_args["update_on_kvstore"] = strategy == "dist_sync_server"
     elif strategy != "compute":
@@ -205,7 +206,17 @@ def _worker(spec_path: str) -> None:
     data = [(mx.nd.array(rs.randn(batch, 256)), mx.nd.array(rs.randint(0, 10, batch))) for _ in range(4)]
     ready = []
     total = spec["warmup"] + spec["steps"]
+    if strategy == "comm":  # gradients once, then only their push/pull, step after step
+        x, y = data[0]
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
     for step in range(total):
+        if strategy == "comm":
+            trainer.allreduce_grads()
+            mx.nd.waitall()
+            ready.append(time.perf_counter())
+            continue
         x, y = data[step % len(data)]
         with autograd.record():
             loss = loss_fn(net(x), y)
