@@ -50,6 +50,9 @@ _SYNC_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 _ON_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 
 
+_KEEP_ALIVE: list = []  # trampolines handed to the engine (a few bytes per Gates)
+
+
 class _OnComplete(ctypes.Structure):
     _fields_ = [("callback", ctypes.c_void_p), ("engine", ctypes.c_void_p), ("param", ctypes.c_void_p)]
 
@@ -131,9 +134,12 @@ class Gates:
         self._tokens = itertools.count(1)
         self._gates: dict[int, Gate] = {}
         self._notifiers: dict[int, Callable[[], None]] = {}
-        # ctypes trampolines live as long as this object (the engine calls them later).
+        # The engine may call these after this object is dropped (an operation still
+        # queued at exit): the trampolines, and through them this object, must
+        # never be freed, or that call jumps into freed memory.
         self._async_fn = _ASYNC_FUNC(self._run_gate)
         self._sync_fn = _SYNC_FUNC(self._run_notifier)
+        _KEEP_ALIVE.append((self._async_fn, self._sync_fn))
 
     def gate(self, array: mx.nd.NDArray, name: str = "") -> Gate:
         """Queue a closed gate that writes ``array``; returns it. Open it with :meth:`Gate.open`."""

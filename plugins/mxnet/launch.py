@@ -74,7 +74,8 @@ def _split(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
         options, command = rest, []
     else:
         options, command = [], rest
-    parser = argparse.ArgumentParser(prog="commsched launch mxnet", add_help=False)
+    parser = argparse.ArgumentParser(prog="commsched launch mxnet", usage="%(prog)s [options] -- command ...",
+                                     description="Start an MXNet parameter-server job on this machine.")
     _add_options(parser, defaults=False)
     parsed = parser.parse_args(options, namespace=argparse.Namespace(**vars(args)))
     return parsed, command
