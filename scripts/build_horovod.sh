@@ -65,11 +65,13 @@ fi
 
 # Build and runtime dependencies of the wheel (setup.py needs them at build time
 # too, and --no-build-isolation means nobody else installs them).
-"$PY" -m pip install --quiet -c "$ROOT/requirements/constraints.txt" -r "$ROOT/requirements/horovod.txt" \
-  || die "step 'install build dependencies' failed (pip install -r requirements/horovod.txt)"
+mkdir -p "$WHEEL_DIR" "$CACHE/logs" "$CACHE/sdist"
+DEPS_LOG="$CACHE/logs/$FINGERPRINT.deps.log"
+"$PY" -m pip install --disable-pip-version-check -c "$ROOT/requirements/constraints.txt" \
+  -r "$ROOT/requirements/horovod.txt" >"$DEPS_LOG" 2>&1 \
+  || { tail -n 20 "$DEPS_LOG" >&2; die "step 'install build dependencies' failed (log: $DEPS_LOG)"; }
 
 # One builder per cache entry at a time; a second caller waits, then finds the wheel.
-mkdir -p "$WHEEL_DIR" "$CACHE/logs" "$CACHE/sdist"
 exec 9>"$WHEEL_DIR.lock"
 if ! flock -n 9; then
   say "another process is building $FINGERPRINT; waiting for it"

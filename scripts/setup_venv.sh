@@ -29,14 +29,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV" || die "step 'python -m venv' failed"
 fi
 PY=$VENV/bin/python
-pip() { "$PY" -m pip --disable-pip-version-check "$@"; }
+# pip's output goes to a log (this machine's pip config adds a warning per
+# package); shown when a step fails.
+LOG=$VENV/.setup-venv.log
+: >"$LOG"
+pip() { "$PY" -m pip --disable-pip-version-check "$@" >>"$LOG" 2>&1; }
+failed() { tail -n 30 "$LOG" >&2; die "step '$1' failed (log: $LOG)"; }
 
 say "installing pinned packages (first time: a few minutes)"
-pip install --quiet "${C[@]}" -r "$REQ/tools.txt" || die "step 'install tools' failed"
+pip install "${C[@]}" -r "$REQ/tools.txt" || failed "install tools"
 # One resolve for everything, so numpy ends where TF and mxnet both accept it.
-pip install --quiet "${C[@]}" -r "$REQ/torch.txt" -r "$REQ/tensorflow.txt" -r "$REQ/mxnet.txt" \
-  -r "$REQ/test.txt" -r "$REQ/horovod.txt" || die "step 'install frameworks' failed"
-pip install --quiet --no-deps "${C[@]}" -r "$REQ/tf-keras.txt" || die "step 'install tf-keras' failed"
+pip install "${C[@]}" -r "$REQ/torch.txt" -r "$REQ/tensorflow.txt" -r "$REQ/mxnet.txt" \
+  -r "$REQ/test.txt" -r "$REQ/horovod.txt" || failed "install frameworks"
+pip install --no-deps "${C[@]}" -r "$REQ/tf-keras.txt" || failed "install tf-keras"
 
 # mxnet/numpy shim, at the environment level (commsched itself patches nothing).
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -44,9 +49,7 @@ cp "$ROOT/scripts/commsched_mxnet_numpy_compat.py" "$SITE/"
 echo "import commsched_mxnet_numpy_compat" >"$SITE/commsched_mxnet_numpy_compat.pth"
 
 say "installing commsched (editable)"
-# (its output, a warning about editable installs among it, only on failure)
-out=$(pip install --quiet --no-deps --no-build-isolation -e "$ROOT" 2>&1) \
-  || { echo "$out" >&2; die "step 'pip install -e .' failed"; }
+pip install --no-deps --no-build-isolation -e "$ROOT" || failed "pip install -e ."
 
 say "checking that torch, tensorflow and mxnet import in one process"
 out=$(cd / && "$PY" - 2>&1 <<'EOF'
@@ -58,6 +61,6 @@ EOF
 echo "$out" | grep '^\[setup_venv\]' 
 
 # tf-keras declares 'tensorflow' (we have tensorflow-cpu, same modules): not a problem.
-problems=$(pip check 2>&1 | grep -v -i '^tf-keras .* requires tensorflow' | grep -v -i '^No broken' || true)
+problems=$("$PY" -m pip check 2>&1 | grep -v -i '^tf-keras .* requires tensorflow' | grep -v -i '^No broken' || true)
 [ -z "$problems" ] || say "note: 'pip check' reports: $problems"
 say "done in $(( $(date +%s) - t0 )) s"
