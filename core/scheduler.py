@@ -357,6 +357,12 @@ class Scheduler:
                     finally:
                         self._lock.acquire()
 
+    def check(self) -> None:
+        """Raise now, without blocking, what a wait would raise: a background error,
+        or another rank's abort (one store lookup)."""
+        self._raise_if_failed()
+        self._check_remote_abort()
+
     def pending(self) -> list[str]:
         """Names of the pieces not yet reduced (queued or in flight)."""
         with self._lock:
