@@ -315,3 +315,28 @@ def test_a_follower_that_loses_the_store_fails_clearly_and_so_does_rank0(ranks):
     assert "lost contact with rank 0" in str(run.results[1])
     assert isinstance(run.results[1].__cause__, ConnectionError)
     assert isinstance(run.results[0], RemoteAbort) and "lost contact" in str(run.results[0])
+
+
+def test_check_raises_a_background_failure_and_a_remote_abort_without_blocking():
+    with InProcessWorld(2, fail_pieces={"x#0"}) as world:
+        s0 = Scheduler(world.backend(0), ArrayOps(), CFG, store=world.store)
+        s1 = Scheduler(world.backend(1), ArrayOps(), CFG, store=world.store)
+        s0.check()  # healthy: nothing to raise
+        futures = [s.submit("x", doubles(2)) for s in (s0, s1)]
+        for f in futures:
+            f.exception(timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(CommunicationError, match="'x'"):
+            s0.check()
+        assert time.monotonic() - t0 < 1.0
+        for s in (s0, s1):
+            try:
+                s.close(timeout=2)
+            except CommschedError:
+                pass
+    with InProcessWorld(2) as world:
+        s0 = Scheduler(world.backend(0), ArrayOps(), CFG, store=world.store)
+        world.store.set("commsched/abort", b"rank 1: it broke")
+        with pytest.raises(RemoteAbort, match="it broke"):
+            s0.check()
+        s0.close(timeout=2)
