@@ -134,7 +134,8 @@ if [ ! -f "$SDIST" ]; then
 fi
 
 step "unpack"
-tar -xzf "$SDIST" -C "$WORK" >>"$LOG" 2>&1 || fail "unpack"
+# A broken cached sdist is removed so that the next run downloads it again.
+tar -xzf "$SDIST" -C "$WORK" >>"$LOG" 2>&1 || { rm -f "$SDIST"; fail "unpack (cached sdist removed; rerun downloads it)"; }
 SRC="$WORK/horovod-$HOROVOD_VERSION"
 
 imports() { (cd / && "$PY" -c "import $1" >>"$LOG" 2>&1); }
