@@ -139,6 +139,14 @@ class TorchBackend:
         work.get_future().add_done_callback(finished)
 
 
+    def close(self) -> None:
+        """Drop our reference to the process group, so it is destroyed with the
+        user's ``destroy_process_group()`` and not during interpreter teardown
+        (where gloo's threads can abort the process)."""
+        self.group = None
+        self._streams.clear()
+
+
 def make_backend(name: str, group: Optional["dist.ProcessGroup"] = None):
     """The backend called ``name`` ("torch" or "horovod")."""
     if name == "torch":
