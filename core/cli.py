@@ -15,6 +15,13 @@ from commsched._version import __version__
 
 __all__ = ["main"]
 
+# `commsched bench --framework X` -> the module that benchmarks framework X
+BENCH_FRAMEWORKS = {
+    "torch": "commsched.plugins.torch.bench.cli",
+    "tensorflow": "commsched.plugins.tensorflow.bench",
+    "mxnet": "commsched.plugins.mxnet.bench",
+}
+
 # subcommand -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS = {
     "bench": ("commsched.plugins.torch.bench.cli",
@@ -34,6 +41,15 @@ def _load(module: str):
                          "e.g. pip install 'commsched[torch]', or run `make venv` in the repository") from exc
 
 
+def _bench_framework(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--framework" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--framework="):
+            return arg.split("=", 1)[1]
+    return "torch"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``commsched`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -45,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
         if name == chosen:  # import only the framework this call needs
+            if name == "bench":
+                framework = _bench_framework(argv)
+                if framework not in BENCH_FRAMEWORKS:
+                    parser.error(f"--framework {framework!r} is not known; use one of {', '.join(BENCH_FRAMEWORKS)}")
+                module = BENCH_FRAMEWORKS[framework]
+                sub_parser.add_argument("--framework", choices=list(BENCH_FRAMEWORKS), default="torch",
+                                        help="which framework's benchmark to run (default torch)")
             loaded = _load(module)
             loaded.add_arguments(sub_parser)
             sub_parser.set_defaults(_run=loaded.run)
