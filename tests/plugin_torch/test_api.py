@@ -183,3 +183,13 @@ def test_interpreter_exit_without_close_does_not_hang(tmp_path):
         "print('done', flush=True)\n")  # no opt.close(), no destroy_process_group()
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
     assert "done" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_horovod_backend_defaults_to_1mib_pieces_unless_the_environment_says_otherwise(monkeypatch):
+    from commsched.plugins.torch.optimizer import HOROVOD_PARTITION_BYTES, _default_config
+
+    monkeypatch.delenv("COMMSCHED_PARTITION_BYTES", raising=False)
+    assert _default_config("horovod").partition_bytes == HOROVOD_PARTITION_BYTES == 1 << 20
+    assert _default_config("torch").partition_bytes == commsched.SchedulerConfig().partition_bytes
+    monkeypatch.setenv("COMMSCHED_PARTITION_BYTES", "2MiB")
+    assert _default_config("horovod").partition_bytes == 2 << 20
