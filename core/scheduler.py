@@ -32,12 +32,12 @@ import heapq
 import logging
 import threading
 import time
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from commsched.config import SchedulerConfig
+from commsched.lifecycle import close_at_exit
 from commsched.errors import (
     CommschedError,
     CommschedTimeout,
@@ -195,7 +195,7 @@ class Scheduler:
             self._spawn("publish", self._publish_loop)
         elif self._mode == "follower":
             self._spawn("order", self._order_loop)
-        _close_at_exit(self)
+        close_at_exit(self, min(self.config.timeout_s, 10.0))
 
     # ------------------------------------------------------------------ setup
     def _choose_mode(self, backend: Backend) -> str:
@@ -827,29 +827,3 @@ class Scheduler:
                 self._fail_locked(error)
         if not background:
             self._raise_if_failed()
-
-
-_live: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
-_exit_hook_installed = False
-
-
-def _close_all_at_exit() -> None:
-    for scheduler in list(_live):
-        try:
-            scheduler.close(timeout=min(scheduler.config.timeout_s, 10.0))
-        except Exception as exc:
-            log.warning("closing a commsched scheduler at exit: %s", exc)
-
-
-def _close_at_exit(scheduler: Scheduler) -> None:
-    """Close schedulers the user forgot, before the interpreter joins their (non-daemon) threads."""
-    global _exit_hook_installed
-    _live.add(scheduler)
-    if not _exit_hook_installed:
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            register(_close_all_at_exit)
-        else:  # pragma: no cover - very old Pythons
-            import atexit
-            atexit.register(_close_all_at_exit)
-        _exit_hook_installed = True

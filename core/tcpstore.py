@@ -1,13 +1,12 @@
-"""A small TCP key-value store for order agreement, hosted by worker 0.
+"""A small TCP key-value store for order agreement, for engines without one.
 
-MXNet's parameter servers sum what they receive; they cannot hold rank 0's
-decisions, so the core's ``dynamic``/``static`` orderings need a store of their
-own. :class:`StoreServer` serves one (a thread per connection; a blocking ``get``
-waits on the server, never in a Python loop) and :class:`StoreClient` implements
+torch.distributed brings its own store (c10d); MXNet's parameter servers only sum
+what they receive and cannot hold rank 0's decisions, so the MXNet plugin has
+worker 0 host this one. It carries control messages only, never gradients.
+:class:`StoreServer` serves it (a thread per connection; a blocking ``get`` waits
+on the server, never in a Python loop) and :class:`StoreClient` implements
 :class:`commsched.store.Store` over it. Socket calls release the GIL, so a waiting
 ``get`` does not stall training threads.
-
-Framework-free on purpose: it could move to ``commsched.store`` unchanged.
 
 Wire format, every integer big-endian: a request is an op byte (``S`` set, ``G``
 get, ``C`` check, ``D`` delete, ``Q`` push onto a queue, ``P`` pop from a queue),

@@ -20,7 +20,7 @@ What happens in ``trainer.step()``, for each parameter ``i`` (``pushpull(i, grad
    *ready*, i.e. when an engine notifier queued before the gate reports that
    backward wrote it. With ``ordering='dynamic'``/``'static'`` it is submitted at
    once and worker 0's decisions are shared through a small TCP store
-   (:mod:`commsched.plugins.mxnet.store`); with ``ordering='fifo'`` it waits until
+   (:mod:`commsched.tcpstore`); with ``ordering='fifo'`` it waits until
    every earlier ``pushpull`` was submitted too, so that every worker submits in
    the Trainer's order (the same everywhere by construction) and needs no store.
 4. The scheduler starts pieces by priority (layer 0 first) within the credit;
@@ -62,7 +62,8 @@ from commsched.partition import piece_bounds
 from commsched.scheduler import Scheduler
 from commsched.plugins.mxnet import gate as gate_mod
 from commsched.plugins.mxnet.backends import KVStoreBackend, advertised_host
-from commsched.plugins.mxnet.store import StoreClient, StoreServer
+from commsched.lifecycle import close_at_exit
+from commsched.tcpstore import StoreClient, StoreServer
 from commsched.plugins.mxnet.tensor_ops import Transfer, TransferOps, check_array, flat
 
 __all__ = ["FIRST_SUB_KEY", "KVStore"]
@@ -249,7 +250,7 @@ class KVStore(mx.kv.KVStoreBase):
         self._watchdog = threading.Thread(target=self._watch, name=f"commsched-mx-watchdog-r{self._rank}",
                                           daemon=False)
         self._watchdog.start()
-        _close_at_exit(self)
+        close_at_exit(self, min(self.config.timeout_s, 30.0))  # before MXNet shuts its engine down
 
     # ------------------------------------------------------------ KVStoreBase
     @property
@@ -728,31 +729,3 @@ def register() -> None:
     """Register the ``commsched`` KVStore type (done by ``import commsched.plugins.mxnet``)."""
     if mx.kv.KVStoreBase.kv_registry.get("commsched") is not Commsched:
         mx.kv.KVStoreBase.register(Commsched)
-
-
-_live: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
-_exit_hook_installed = False
-
-
-def _close_all_at_exit() -> None:
-    for kv in list(_live):
-        try:
-            kv.close(timeout=min(kv.config.timeout_s, 30.0))
-        except Exception as exc:
-            log.warning("closing a commsched KVStore at exit: %s", exc)
-
-
-def _close_at_exit(kv: KVStore) -> None:
-    """Close stores the user left open before the interpreter joins their threads (and
-    before MXNet shuts its engine down, which would wait for a closed gate forever)."""
-    global _exit_hook_installed
-    _live.add(kv)
-    if not _exit_hook_installed:
-        register_hook = getattr(threading, "_register_atexit", None)
-        if register_hook is not None:
-            register_hook(_close_all_at_exit)
-        else:  # pragma: no cover - very old Pythons
-            import atexit
-            atexit.register(_close_all_at_exit)
-        _exit_hook_installed = True
-

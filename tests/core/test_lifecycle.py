@@ -221,3 +221,26 @@ def test_background_threads_are_named_and_not_daemons(ranks):
     assert set(seen[0]) >= {"commsched-dispatch-r0", "commsched-complete-r0", "commsched-publish-r0"}
     assert set(seen[1]) >= {"commsched-dispatch-r1", "commsched-complete-r1", "commsched-order-r1"}
     assert not any(daemon for per_rank in seen.values() for daemon in per_rank.values())
+
+
+def test_close_at_exit_closes_the_newest_first_and_survives_a_failing_close():
+    from commsched import lifecycle
+
+    closed = []
+
+    class Thing:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def close(self, timeout):
+            closed.append((self.name, timeout))
+            if self.fail:
+                raise RuntimeError("cannot")
+
+    things = [Thing("scheduler"), Thing("wrapper", fail=True), Thing("outer")]
+    for i, t in enumerate(things):
+        lifecycle.close_at_exit(t, float(i))
+    lifecycle._close_all()
+    names = [n for n, _ in closed if n in ("scheduler", "wrapper", "outer")]
+    assert names == ["outer", "wrapper", "scheduler"]
+    assert ("scheduler", 0.0) in closed

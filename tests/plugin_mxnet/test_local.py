@@ -15,7 +15,7 @@ from mxnet import autograd, gluon  # noqa: E402
 import commsched  # noqa: E402
 import commsched.plugins.mxnet as cmx  # noqa: E402
 from commsched.plugins.mxnet import gate  # noqa: E402
-from commsched.plugins.mxnet.store import StoreClient, StoreServer  # noqa: E402
+from commsched.tcpstore import StoreClient, StoreServer  # noqa: E402
 from commsched.plugins.mxnet.tensor_ops import NDArrayOps  # noqa: E402
 
 SMALL = commsched.SchedulerConfig(partition_bytes=256, credit_bytes=512, timeout_s=30)
