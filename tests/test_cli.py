@@ -14,7 +14,8 @@ def test_version(capsys):
     assert "commsched" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("framework, own_flag", [("torch", "--workload"), ("mxnet", "--hidden"), ("tensorflow", "--unroll")])
+@pytest.mark.parametrize("framework, own_flag",
+                         [("torch", "--workload"), ("mxnet", "--hidden"), ("tensorflow", "--unroll")])
 def test_bench_framework_selects_that_plugins_benchmark(capsys, framework, own_flag):
     with pytest.raises(SystemExit):
         main(["bench", "--framework", framework, "--help"])
