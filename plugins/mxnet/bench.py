@@ -33,6 +33,7 @@ from pathlib import Path
 
 from commsched.bench.cpu import CpuWindow
 from commsched.bench.netns import make_cluster, parse_rate
+from commsched.bench.options import add_mlp_bench_arguments, parse_strategy_list
 from commsched.plugins.mxnet.launch import Job, free_port
 
 __all__ = ["STRATEGIES", "add_arguments", "run"]
@@ -46,27 +47,13 @@ MB = 1 << 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the MXNet benchmark's flags to ``parser``."""
-    parser.add_argument("--workers", type=int, default=2, help="worker machines (default 2)")
-    parser.add_argument("--bandwidth", default="1gbit", help="rate of every link, each direction (default 1gbit)")
-    parser.add_argument("--network", choices=("netns", "loopback"), default="netns",
-                        help="netns: shaped namespaces (needs root; falls back to loopback); loopback: unshaped")
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                        help=f"comma-separated, from {', '.join(STRATEGIES)} (default {DEFAULT_STRATEGIES})")
-    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
-    parser.add_argument("--layers", type=int, default=6, help="hidden layers (default 6: ~25 MB of gradients)")
-    parser.add_argument("--batch-size", type=int, default=128, help="samples per worker per step (default 128)")
-    parser.add_argument("--steps", type=int, default=15, help="measured steps (default 15)")
-    parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (default 4)")
-    parser.add_argument("--partition-mb", type=float, default=1.0, help="commsched piece size in MiB (default 1)")
-    parser.add_argument("--credit-mb", type=float, default=4.0, help="commsched bytes in flight in MiB (default 4)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per strategy (default 600)")
-    parser.add_argument("--json", required=True, metavar="PATH", help="write the report here")
+    add_mlp_bench_arguments(parser, strategies=STRATEGIES, default_strategies=DEFAULT_STRATEGIES, layers=6,
+                            gradient_mb_hint="~25 MB", partition_mb=1.0, credit_mb=4.0)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run every strategy, print a table, write the JSON report. Returns the exit status."""
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = sorted(set(strategies) - set(STRATEGIES))
+    strategies, unknown = parse_strategy_list(args.strategies, STRATEGIES)
     if unknown:
         print(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}", file=sys.stderr)
         return 2

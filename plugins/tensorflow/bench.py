@@ -42,6 +42,7 @@ from pathlib import Path
 
 from commsched.bench.cpu import BUSY_WARNING, CpuWindow
 from commsched.bench.netns import make_cluster, parse_rate
+from commsched.bench.options import add_mlp_bench_arguments, horovod_gloo_env, parse_strategy_list
 from commsched.bench.procs import WorkerError, WorkerGroup, signals_raise
 
 __all__ = ["STRATEGIES", "add_arguments", "markdown", "run"]
@@ -59,30 +60,16 @@ NETNS_PORT = 12345
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the TensorFlow benchmark's flags to ``parser``."""
-    parser.add_argument("--workers", type=int, default=2, help="worker machines (default 2)")
-    parser.add_argument("--bandwidth", default="1gbit", help="rate of every link, each direction (default 1gbit)")
-    parser.add_argument("--network", choices=("netns", "loopback"), default="netns",
-                        help="netns: shaped namespaces (needs root; falls back to loopback); loopback: unshaped")
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                        help=f"comma-separated, from {', '.join(STRATEGIES)} (default {DEFAULT_STRATEGIES})")
-    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
-    parser.add_argument("--layers", type=int, default=5, help="hidden layers (default 5: ~18 MB of gradients)")
-    parser.add_argument("--batch-size", type=int, default=128, help="samples per worker per step (default 128)")
-    parser.add_argument("--steps", type=int, default=15, help="measured steps (default 15)")
-    parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (default 4)")
+    add_mlp_bench_arguments(parser, strategies=STRATEGIES, default_strategies=DEFAULT_STRATEGIES, layers=5,
+                            gradient_mb_hint="~18 MB", partition_mb=4.0, credit_mb=8.0,
+                            partition_note=": see docs/tensorflow.md, Limits")
     parser.add_argument("--unroll", type=int, default=2,
                         help="steps per tf.function for dynamic/static (commsched's unroll; default 2)")
-    parser.add_argument("--partition-mb", type=float, default=4.0,
-                        help="commsched piece size in MiB (default 4: see docs/tensorflow.md, Limits)")
-    parser.add_argument("--credit-mb", type=float, default=8.0, help="commsched bytes in flight in MiB (default 8)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per strategy (default 600)")
-    parser.add_argument("--json", required=True, metavar="PATH", help="write the report here")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run every strategy, print a table, write the JSON report. Returns the exit status."""
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = sorted(set(strategies) - set(STRATEGIES))
+    strategies, unknown = parse_strategy_list(args.strategies, STRATEGIES)
     if unknown:
         print(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}", file=sys.stderr)
         return 2
@@ -249,20 +236,7 @@ def _init_horovod(spec: dict):
         if time.monotonic() > deadline:
             raise TimeoutError("horovod rendezvous port never appeared (rank 0 failed?)")
         time.sleep(0.05)
-    os.environ.update({
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": spec["master_addr"],
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": port_file.read_text().strip(),
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_IFACE": spec["ifname"],
-        "HOROVOD_HOSTNAME": slot.hostname,
-        "HOROVOD_RANK": str(slot.rank),
-        "HOROVOD_SIZE": str(slot.size),
-        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-    })
+    os.environ.update(horovod_gloo_env(spec["master_addr"], port_file.read_text().strip(), spec["ifname"], slot))
     hvd.init()
     return hvd
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from commsched.bench.options import horovod_gloo_env
 from commsched.plugins.torch.bench.spec import StrategySpec, parse_strategies
 from torch import nn
 
@@ -268,20 +269,7 @@ def init_horovod(spec: dict, rank: int) -> Any:
     with open(port_file) as f:
         port = int(f.read())
     me = spec["ranks"][rank]
-    os.environ.update({
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": spec["master_addr"],
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_IFACE": me["ifname"],
-        "HOROVOD_HOSTNAME": slot.hostname,
-        "HOROVOD_RANK": str(slot.rank),
-        "HOROVOD_SIZE": str(slot.size),
-        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-    })
+    os.environ.update(horovod_gloo_env(spec["master_addr"], port, me["ifname"], slot))
     hvd.init()
     return hvd
 
