@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -161,3 +162,17 @@ class WorkerGroup:
                 f" log {self.logs[r]}:\n{_tail(self.logs[r], 5)}"
             )
         return "\n".join(parts)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free on ``host`` now (all held open together while chosen, so none repeats)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

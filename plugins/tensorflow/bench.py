@@ -43,7 +43,7 @@ from pathlib import Path
 from commsched.bench.cpu import BUSY_WARNING, CpuWindow
 from commsched.bench.netns import make_cluster, parse_rate
 from commsched.bench.options import add_mlp_bench_arguments, horovod_gloo_env, parse_strategy_list
-from commsched.bench.procs import WorkerError, WorkerGroup, signals_raise
+from commsched.bench.procs import WorkerError, WorkerGroup, free_ports, signals_raise
 
 __all__ = ["STRATEGIES", "add_arguments", "markdown", "run"]
 
@@ -125,7 +125,7 @@ def _run_strategy(cluster, strategy: str, workers: int, spec: dict, timeout: flo
     single = strategy == "compute"
     world = 1 if single else workers
     # Inside the run's own namespaces any port is free; on loopback ask the host.
-    ports = [NETNS_PORT] * world if cluster.emulation == "netns" else _free_ports(world)
+    ports = [NETNS_PORT] * world if cluster.emulation == "netns" else free_ports(world)
     tf_cluster = {"worker": [f"{nodes[r].address}:{ports[r]}" for r in range(world)]}
     commands, envs, logs = [], [], []
     for rank in range(world):
@@ -158,21 +158,6 @@ def _run_strategy(cluster, strategy: str, workers: int, spec: dict, timeout: flo
     if result_path.exists():
         row.update(json.loads(result_path.read_text()))
     return row
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _format_row(row: dict) -> str:
