@@ -64,7 +64,10 @@ class Backend(Protocol):
     ``piece.view`` and returns without waiting; the engine later calls
     ``done(None)`` or ``done(exception)`` exactly once, from any thread.
     ``negotiates_order`` is True for engines that match operations by name
-    (Horovod): then only rank 0 paces by priority and credit.
+    (Horovod): then only rank 0 paces by priority and credit. ``close()`` releases
+    what the engine holds (threads, groups); :meth:`Scheduler.close` calls it once,
+    after its own threads stopped, and so does interpreter exit for a scheduler the
+    user forgot to close. It must be safe to call twice.
     """
 
     rank: int
@@ -73,10 +76,18 @@ class Backend(Protocol):
 
     def start(self, piece: "Piece", done: Callable[[Optional[BaseException]], None]) -> None: ...
 
+    def close(self) -> None: ...
+
 
 @dataclass(eq=False)
 class Task:
-    """One submitted tensor; ``future`` resolves to the tensor once every piece is reduced."""
+    """One submitted tensor; ``future`` resolves to the tensor once every piece is reduced.
+
+    ``ready`` is what the plugin passed to :meth:`Scheduler.submit` to say when the
+    tensor's data is ready on the device (a CUDA event, say); the backend may wait on
+    it before it starts a piece. ``handles`` is where a backend keeps the engine's
+    handles of this task's pieces, for a plugin that must order later work after them.
+    """
 
     name: str
     tensor: Any
@@ -86,9 +97,10 @@ class Task:
     future: Future
     on_done: Optional[Callable[["Task"], None]]
     submitted_us: float
+    ready: Any = None
+    handles: list = field(default_factory=list)
     pieces: list["Piece"] = field(default_factory=list)
     remaining: int = 0
-    error: Optional[BaseException] = None
 
 
 @dataclass(eq=False)
@@ -230,18 +242,24 @@ class Scheduler:
         return self._mode
 
     @property
+    def error(self) -> BaseException | None:
+        """The error that put this scheduler in its failed state, or None while it is healthy."""
+        return self._error
+
+    @property
     def step(self) -> int:
         """The current step number (advanced by :meth:`mark_step`)."""
         return self._step
 
     def submit(self, name: str, tensor: Any, priority: int = 0,
-               on_done: Callable[[Task], None] | None = None) -> Future:
+               on_done: Callable[[Task], None] | None = None, *, ready: Any = None) -> Future:
         """Queue ``tensor`` for an in-place reduction; returns a future of ``tensor``.
 
         ``name`` must be the same on every rank and unique among this scheduler's
         unfinished tasks. ``on_done(task)`` runs on the completion thread once every
         piece is reduced, before the future resolves; an exception it raises fails
-        the future and surfaces at the next call.
+        the future and surfaces at the next call. ``ready`` is handed to the backend
+        as ``task.ready`` (see :class:`Task`).
         """
         if not isinstance(name, str) or not name or "\t" in name or "\n" in name or "\x1f" in name:
             raise ValueError(f"tensor name {name!r} must be a non-empty str without tabs or newlines")
@@ -260,7 +278,7 @@ class Scheduler:
                     "step (it is new there, or its size changed); ordering='static' needs the same tensors, of the "
                     "same sizes, every step (use ordering='dynamic')")
             task = Task(name=name, tensor=tensor, priority=int(priority), step=step, seq=self._seq, future=future,
-                        on_done=on_done, submitted_us=now_us())
+                        on_done=on_done, submitted_us=now_us(), ready=ready)
             self._seq += 1
             self._submitted_in_step += 1
             for index, (lo, hi) in enumerate(bounds):
@@ -412,6 +430,10 @@ class Scheduler:
                 thread.join(timeout=max(5.0, 4 * _POLL_S))
                 if thread.is_alive():
                     log.error("commsched thread %s did not stop", thread.name)
+        try:
+            self.backend.close()
+        except Exception as exc:  # closing must go on; the engine may be broken already
+            log.warning("closing the backend %s: %r", type(self.backend).__name__, exc)
         with self._lock:
             leftovers = list(self._pending.values())
             self._pending.clear()

@@ -232,6 +232,9 @@ class RaisingBackend:
         self.inner, self.bad = inner, bad
         self.rank, self.world_size, self.negotiates_order = inner.rank, inner.world_size, False
 
+    def close(self) -> None:
+        self.inner.close()
+
     def start(self, piece, done) -> None:
         if piece.name == self.bad:
             raise RuntimeError("engine rejected the operation")

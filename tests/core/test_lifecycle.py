@@ -105,6 +105,10 @@ class StuckBackend:
         self.rank, self.world_size, self.negotiates_order = 0, 1, False
         self.started: list = []
         self.entered = threading.Event()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def start(self, piece, done) -> None:
         self.started.append((piece, done))

@@ -29,6 +29,9 @@ class GatedBackend:
         self.entered = threading.Event()
         self.release = threading.Event()
 
+    def close(self) -> None:
+        self.inner.close()
+
     def start(self, piece, done) -> None:
         if not self.entered.is_set():
             self.entered.set()
@@ -45,6 +48,9 @@ class HoldingBackend:
         self._lock = threading.Lock()
         self._holding = True
         self._held: list = []
+
+    def close(self) -> None:
+        self.inner.close()
 
     def start(self, piece, done) -> None:
         def hold(exc):
