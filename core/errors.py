@@ -8,6 +8,7 @@ __all__ = [
     "CommschedError",
     "CommschedTimeout",
     "CommunicationError",
+    "HorovodUnavailable",
     "OrderAgreementError",
     "RemoteAbort",
     "SchedulerClosed",
@@ -32,6 +33,14 @@ class CommunicationError(CommschedError):
         super().__init__(message)
         self.tensor = tensor
         self.piece = piece
+
+
+class HorovodUnavailable(CommschedError, ImportError):
+    """``backend="horovod"`` was asked for, but Horovod with this framework's support cannot be imported.
+
+    Every plugin raises this same type (it is also an ``ImportError``); the message says
+    how to get Horovod.
+    """
 
 
 class OrderAgreementError(CommschedError):
