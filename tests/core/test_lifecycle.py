@@ -11,6 +11,7 @@ import pytest
 
 from commsched import CommschedError, CommschedTimeout, Scheduler, SchedulerClosed, SchedulerConfig
 from commsched.backends import ArrayOps, InProcessWorld
+from helpers import commsched_threads
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
@@ -18,10 +19,6 @@ pytestmark = [pytest.mark.timeout(60),
 
 def doubles(n: int, value: float = 1.0) -> array.array:
     return array.array("d", [value] * n)
-
-
-def commsched_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("commsched-")}
 
 
 def one_step(rank, s):
