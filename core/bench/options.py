@@ -7,9 +7,9 @@ benchmark an MLP on the same emulated cluster and take the same flags.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+from typing import Sequence
 
-__all__ = ["add_mlp_bench_arguments", "horovod_gloo_env", "parse_strategy_list"]
+__all__ = ["add_mlp_bench_arguments", "parse_strategy_list"]
 
 
 def add_mlp_bench_arguments(parser: argparse.ArgumentParser, *, strategies: Sequence[str], default_strategies: str,
@@ -40,22 +40,3 @@ def parse_strategy_list(text: str, allowed: Sequence[str]) -> tuple[list[str], l
     """``(strategies, unknown)`` from a comma-separated list."""
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     return chosen, sorted(set(chosen) - set(allowed))
-
-
-def horovod_gloo_env(master_addr: str, port: int | str, ifname: str, slot: Any) -> dict[str, str]:
-    """Environment for ``hvd.init()`` with gloo, from a ``horovod.runner`` slot (rank, sizes, hostname),
-    so a benchmark can start Horovod itself inside its namespaces instead of through horovodrun."""
-    return {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": master_addr,
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_IFACE": ifname,
-        "HOROVOD_HOSTNAME": slot.hostname,
-        "HOROVOD_RANK": str(slot.rank),
-        "HOROVOD_SIZE": str(slot.size),
-        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-    }

@@ -34,7 +34,8 @@ from pathlib import Path
 from commsched.bench.cpu import CpuWindow
 from commsched.bench.netns import make_cluster, parse_rate
 from commsched.bench.options import add_mlp_bench_arguments, parse_strategy_list
-from commsched.plugins.mxnet.launch import Job, free_port
+from commsched.bench.procs import free_ports
+from commsched.plugins.mxnet.launch import Job
 
 __all__ = ["STRATEGIES", "add_arguments", "run"]
 
@@ -104,7 +105,7 @@ def _run_strategy(cluster, strategy: str, workers: int, spec: dict, timeout: flo
             log.error("compute run failed:\n%s", proc.stdout[-2000:] + proc.stderr[-2000:])
     else:
         # Inside the run's own namespaces any port is free; on loopback ask the host.
-        port = 9091 if cluster.emulation == "netns" else free_port()
+        port = 9091 if cluster.emulation == "netns" else free_ports(1)[0]
         job = Job(worker_cmd, workers=workers, servers=1, host=nodes[0].address, port=port,
                   place=lambda role, index: _placement(cluster, role, index))
         try:

@@ -42,8 +42,8 @@ from pathlib import Path
 
 from commsched.bench.cpu import BUSY_WARNING, CpuWindow
 from commsched.bench.netns import make_cluster, parse_rate
-from commsched.bench.options import add_mlp_bench_arguments, horovod_gloo_env, parse_strategy_list
-from commsched.bench.procs import WorkerError, WorkerGroup, free_ports, signals_raise
+from commsched.bench.options import add_mlp_bench_arguments, parse_strategy_list
+from commsched.bench.procs import WorkerError, WorkerGroup, free_ports, horovod_gloo_rendezvous, signals_raise
 
 __all__ = ["STRATEGIES", "add_arguments", "markdown", "run"]
 
@@ -200,28 +200,13 @@ def markdown(report: dict) -> str:
 
 # ---------------------------------------------------------------- worker side
 def _init_horovod(spec: dict):
-    """``hvd.init()`` through a gloo rendezvous, as ``horovodrun --gloo`` would (see the torch bench)."""
+    """``hvd.init()`` through a gloo rendezvous, as ``horovodrun --gloo`` would."""
     import horovod.tensorflow as hvd
-    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-    from horovod.runner.http.http_server import RendezvousServer
 
-    rank, world = spec["rank"], spec["world"]
-    plan = get_host_assignments(parse_hosts(",".join(f"node{i}:1" for i in range(world))), world)
-    slot = plan[rank]
-    port_file = Path(spec["out"]) / "horovod_rendezvous_port"
-    if rank == 0:
-        server = RendezvousServer()
-        port = server.start()
-        server.init(plan)
-        tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        os.replace(tmp, port_file)
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("horovod rendezvous port never appeared (rank 0 failed?)")
-        time.sleep(0.05)
-    os.environ.update(horovod_gloo_env(spec["master_addr"], port_file.read_text().strip(), spec["ifname"], slot))
+    os.environ.update(horovod_gloo_rendezvous(
+        rank=spec["rank"], world_size=spec["world"], nodes=spec["world"], run_dir=spec["out"],
+        master_addr=spec["master_addr"], ifname=spec["ifname"],
+    ))
     hvd.init()
     return hvd
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from commsched.bench.netns import Cluster, NetnsCluster
-from commsched.bench.procs import WorkerError, WorkerGroup
+from commsched.bench.procs import WorkerError, WorkerGroup, free_ports
 from commsched.plugins.torch.bench.spec import StrategySpec, unavailable_reason
 
 #: Inside a namespace the port space is the run's own: any fixed port is free.
@@ -62,12 +61,6 @@ class PhaseResult:
     status: str  # ok | skipped | failed
     ranks: list[dict] = field(default_factory=list)
     reason: str = ""
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ProgressBar:
@@ -150,7 +143,7 @@ class Runner:
         run_dir = os.path.join(self.work_dir, f"{index:02d}_{name.replace(':', '_')}")
         os.makedirs(run_dir)
         port = NETNS_MASTER_PORT if isinstance(self.cluster, NetnsCluster) \
-            else _free_loopback_port()
+            else free_ports(1)[0]
         spec_path = os.path.join(run_dir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(self._spec(run_dir, mode, port, strategy), f, indent=1)

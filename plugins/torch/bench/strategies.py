@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from commsched.bench.options import horovod_gloo_env
+from commsched.bench.procs import horovod_gloo_rendezvous
 from commsched.plugins.torch.bench.spec import StrategySpec, parse_strategies
 from torch import nn
 
@@ -235,41 +235,22 @@ def _jsonable(obj: Any) -> Any:
 def init_horovod(spec: dict, rank: int) -> Any:
     """``import horovod.torch`` and ``hvd.init()`` through a gloo rendezvous.
 
-    Follows ``horovodrun --gloo``: rank 0 starts Horovod's HTTP rendezvous
-    server inside its own node (a thread of this process) and publishes its
-    port in the run directory; every rank then sets the ``HOROVOD_*`` variables
-    horovodrun would set and calls ``hvd.init()``.
+    Follows ``horovodrun --gloo`` (:func:`commsched.bench.procs.horovod_gloo_rendezvous`):
+    rank 0 hosts the rendezvous server inside its own node; every rank sets the
+    ``HOROVOD_*`` variables horovodrun would set and calls ``hvd.init()``.
     """
     try:
         import horovod.torch as hvd
-        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-        from horovod.runner.http.http_server import RendezvousServer
     except ImportError as exc:
         raise StrategyUnavailable(
-            f"horovod is not importable ({exc}); build it with PyTorch and gloo "
-            "(see ENVIRONMENT.md) to include it"
+            f"horovod is not importable ({exc}); to include it, install Horovod built with PyTorch and gloo:"
+            " HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 pip install --no-build-isolation horovod"
         ) from exc
-    per_node = spec["world_size"] // spec["nodes"]
-    hosts = parse_hosts(",".join(f"node{i}:{per_node}" for i in range(spec["nodes"])))
-    plan = get_host_assignments(hosts, spec["world_size"])
-    slot = plan[rank]
-    port_file = os.path.join(spec["run_dir"], "horovod_rendezvous_port")
-    if rank == 0:
-        server = RendezvousServer()
-        port = server.start()
-        server.init(plan)
-        with open(port_file + ".tmp", "w") as f:
-            f.write(str(port))
-        os.replace(port_file + ".tmp", port_file)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(port_file):
-        if time.monotonic() > deadline:
-            raise TimeoutError("horovod rendezvous port never appeared (rank 0 failed?)")
-        time.sleep(0.05)
-    with open(port_file) as f:
-        port = int(f.read())
-    me = spec["ranks"][rank]
-    os.environ.update(horovod_gloo_env(spec["master_addr"], port, me["ifname"], slot))
+    env = horovod_gloo_rendezvous(
+        rank=rank, world_size=spec["world_size"], nodes=spec["nodes"], run_dir=spec["run_dir"],
+        master_addr=spec["master_addr"], ifname=spec["ranks"][rank]["ifname"],
+    )
+    os.environ.update(env)
     hvd.init()
     return hvd
 
