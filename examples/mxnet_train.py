@@ -14,15 +14,11 @@ import argparse
 import statistics
 import time
 
+import mxnet as mx
 import numpy
+from mxnet import autograd, gluon
 
-if "bool" not in numpy.__dict__:  # mxnet 1.9.1 on numpy >= 1.24 (an entry point may set this)
-    numpy.bool = numpy.bool_
-
-import mxnet as mx  # noqa: E402
-from mxnet import autograd, gluon  # noqa: E402
-
-import commsched.plugins.mxnet  # noqa: E402,F401  (registers the 'commsched' KVStore type)
+import commsched.plugins.mxnet  # noqa: F401  (registers the 'commsched' KVStore type)
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ pieces later, when credit allows, so it must make the engine *wait*:
 
 The operations go through ``MXEnginePushAsyncND`` / ``MXEnginePushSyncND`` of
 libmxnet's C API (ctypes). :func:`available` says whether this libmxnet exports
-them; the KVStore falls back to forward pre-hooks when it does not.
+them; when it does not, the KVStore uses ``gate="issue"`` (``pushpull`` returns
+once its pieces are issued to the engine, which orders the update after them).
 
 A gate must be opened exactly once, also on errors and at exit: an engine that
 still holds a closed gate hangs or aborts at shutdown. :class:`Gates` tracks
@@ -126,8 +127,8 @@ class Gates:
 
     def __init__(self, context: mx.Context | None = None) -> None:
         if not available():
-            raise RuntimeError("this libmxnet does not export MXEnginePushAsyncND/MXEnginePushSyncND; "
-                               "commsched uses forward pre-hooks instead (KVStore(gate='hooks'))")
+            raise RuntimeError("this libmxnet does not export MXEnginePushAsyncND/MXEnginePushSyncND, which engine "
+                               "gates need; create the KVStore with gate='issue' (gate='auto' chooses it by itself)")
         ctx = context if context is not None else mx.cpu()
         self._ctx = _Context(ctx.device_typeid, ctx.device_id)
         self._lock = threading.Lock()

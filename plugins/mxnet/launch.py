@@ -20,14 +20,15 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Job", "add_arguments", "run", "free_port"]
+from commsched.bench.procs import free_ports
+
+__all__ = ["Job", "add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,9 @@ _POLL_S = 0.1
 _STOP_S = 5.0  # SIGTERM -> SIGKILL
 # The server and scheduler processes are MXNet itself: importing mxnet with
 # DMLC_ROLE=server|scheduler runs the role and returns when the job is over.
-# mxnet 1.9.1 needs numpy.bool, which numpy >= 1.24 removed; this entry point
-# (not library code) restores the alias when missing.
-_PS_ROLE_CODE = "import numpy\nif 'bool' not in numpy.__dict__: numpy.bool = numpy.bool_\nimport mxnet\n"
+# They run this interpreter (sys.executable), so they get whatever its
+# environment provides for importing mxnet (the dev venv's numpy.bool shim).
+_PS_ROLE_CODE = "import mxnet"
 
 
 def _add_options(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -81,13 +82,6 @@ def _split(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
     return parsed, command
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def _is_loopback(host: str) -> bool:
     return host == "localhost" or host.startswith("127.")
 
@@ -123,7 +117,7 @@ class Job:
         self.workers = workers
         self.servers = servers
         self.host = host
-        self.port = port or free_port(host)
+        self.port = port or free_ports(1, host)[0]
         self.base_env = dict(os.environ if env is None else env)
         self.procs: list[_Proc] = []
         self.interrupted: int | None = None  # the signal that asked the job to stop

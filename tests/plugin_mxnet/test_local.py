@@ -3,6 +3,7 @@ API on a 'local' store (one worker), and the errors users meet."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -52,6 +53,19 @@ def test_a_notifier_fires_after_queued_writes_and_open_all_releases_everything()
     assert gates.open_all() == 3
     assert all(g.is_open for g in held)
     mx.nd.waitall()  # nothing left waiting in the engine
+
+
+def test_without_the_engine_calls_the_errors_name_a_gate_that_works(monkeypatch):
+    monkeypatch.setattr(gate, "available", lambda: False)
+    with pytest.raises(RuntimeError) as info:
+        gate.Gates()
+    suggested = re.findall(r"gate='(\w+)'", str(info.value))
+    assert suggested, str(info.value)
+    with pytest.raises(ValueError, match="gate='engine' needs"):
+        cmx.KVStore("local", SMALL, gate="engine")
+    for mode in suggested:  # what the message tells users to pass is accepted, without the engine calls
+        with cmx.KVStore("local", SMALL, gate=mode) as kv:
+            assert kv.gate_mode == "issue"
 
 
 # ------------------------------------------------------------------ store

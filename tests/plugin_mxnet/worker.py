@@ -23,16 +23,12 @@ import threading
 import time
 import traceback
 
+import mxnet as mx
 import numpy
+from mxnet import autograd, gluon
 
-if "bool" not in numpy.__dict__:  # mxnet 1.9.1 on numpy >= 1.24 (entry point, not library code)
-    numpy.bool = numpy.bool_
-
-import mxnet as mx  # noqa: E402
-from mxnet import autograd, gluon  # noqa: E402
-
-import commsched  # noqa: E402
-import commsched.plugins.mxnet as cmx  # noqa: E402
+import commsched
+import commsched.plugins.mxnet as cmx
 
 BATCH = 8
 FEATURES = 32
