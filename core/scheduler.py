@@ -50,11 +50,16 @@ from commsched.partition import TensorOps, piece_bounds
 from commsched.store import Store
 from commsched.timeline import Timeline, now_us
 
-__all__ = ["Backend", "Piece", "Scheduler", "Task"]
+__all__ = ["Backend", "Piece", "Scheduler", "Task", "Ticket"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.25  # how often a blocked wait looks for another rank's abort
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name or "\t" in name or "\n" in name or "\x1f" in name:
+        raise ValueError(f"tensor name {name!r} must be a non-empty str without tabs or newlines")
 
 
 class Backend(Protocol):
@@ -123,6 +128,33 @@ class Piece:
         return (self.task.step, self.task.priority, self.task.seq, self.index)
 
 
+class Ticket:
+    """A tensor announced by :meth:`Scheduler.reserve` whose data is not ready yet.
+
+    ``future`` resolves like the future of :meth:`Scheduler.submit`. Call
+    :meth:`ready` once, from any thread, when the data is written.
+    """
+
+    __slots__ = ("_scheduler", "task")
+
+    def __init__(self, scheduler: "Scheduler", task: Task) -> None:
+        self._scheduler = scheduler
+        self.task = task
+
+    @property
+    def future(self) -> Future:
+        return self.task.future
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def ready(self, tensor: Any) -> None:
+        """The data is ready: hand ``tensor`` to the scheduler. Never raises (it runs on
+        engine threads): an error fails the scheduler, the future and the next user call."""
+        self._scheduler._ticket_ready(self.task, tensor)
+
+
 class Scheduler:
     """Schedules the reduction of submitted tensors on one rank.
 
@@ -173,7 +205,11 @@ class Scheduler:
         self._heap: list[tuple[int, int, int, int, Piece]] = []
         self._fifo: collections.deque[Piece] = collections.deque()
         self._unissued: dict[tuple[int, str], Piece] = {}
-        self._unissued_per_step: collections.Counter[int] = collections.Counter()
+        self._unissued_per_step: collections.Counter[int] = collections.Counter()  # pieces + waiting tickets
+        self._waiting: dict[tuple[int, str], Task] = {}  # reserved, data not ready yet
+        self._reserved_order: collections.deque[Task] = collections.deque()  # fifo: tickets in reservation order
+        self._parked: dict[int, list[tuple[int, int]]] = {}  # fifo: ready tickets behind an earlier one
+        self._bounds_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._pending: dict[int, Task] = {}
         self._in_flight: dict[int, Piece] = {}
         self._in_flight_bytes = 0
@@ -261,47 +297,129 @@ class Scheduler:
         the future and surfaces at the next call. ``ready`` is handed to the backend
         as ``task.ready`` (see :class:`Task`).
         """
-        if not isinstance(name, str) or not name or "\t" in name or "\n" in name or "\x1f" in name:
-            raise ValueError(f"tensor name {name!r} must be a non-empty str without tabs or newlines")
-        numel = int(self.ops.numel(tensor))
-        itemsize = int(self.ops.element_size(tensor))
-        bounds = piece_bounds(numel, itemsize, self.config.partition_bytes)
-        future: Future = Future()
-        future.set_running_or_notify_cancel()
+        _check_name(name)
+        bounds = self._bounds_of(tensor)
         with self._lock:
             self._check_usable()
-            step = self._step
-            if self._static and step >= 1 and self._plan is not None and any(
-                    f"{name}#{index}" not in self._plan_names for index in range(len(bounds))):
-                raise OrderAgreementError(
-                    f"tensor {name!r} ({len(bounds)} pieces) does not match the static plan made in the profiling "
-                    "step (it is new there, or its size changed); ordering='static' needs the same tensors, of the "
-                    "same sizes, every step (use ordering='dynamic')")
-            task = Task(name=name, tensor=tensor, priority=int(priority), step=step, seq=self._seq, future=future,
-                        on_done=on_done, submitted_us=now_us(), ready=ready)
-            self._seq += 1
-            self._submitted_in_step += 1
-            for index, (lo, hi) in enumerate(bounds):
-                pname = f"{name}#{index}"
-                if (step, pname) in self._unissued:
-                    raise ValueError(f"tensor {name!r} was submitted twice in step {step} before its first "
-                                     "submission started; names must be unique per step")
-                task.pieces.append(Piece(task, index, lo, hi, (hi - lo) * itemsize, None, pname))
-            for piece in task.pieces:
-                piece.view = self.ops.flat_view(tensor, piece.start, piece.stop)
-            task.remaining = len(task.pieces)
-            self._stats["tasks"] += 1
-            self._step_names[step].add(name)
-            if not task.pieces:  # zero-size: done at once
-                self._pending[id(task)] = task
-                self._completed.append(task)
-                self._complete_cv.notify()
-                return future
+            task = self._new_task(name, priority, on_done, ready)
+            self._attach(task, tensor, bounds)
+        return task.future
+
+    def reserve(self, name: str, priority: int = 0, on_done: Callable[[Task], None] | None = None) -> Ticket:
+        """Announce a tensor whose data is not ready yet; :meth:`Ticket.ready` hands it over later.
+
+        For engines whose data is written asynchronously (MXNet's engine threads): the
+        tensor belongs to the current step, :meth:`synchronize` and :meth:`pending`
+        count it from now on, and order agreement waits for it rather than calling it
+        missing. With ``ordering="fifo"`` tickets are submitted in reservation order (a
+        ticket ready early waits for the earlier ones), so every rank issues in the
+        order its user thread reserved; otherwise each goes as soon as it is ready.
+        """
+        _check_name(name)
+        with self._lock:
+            self._check_usable()
+            task = self._new_task(name, priority, on_done, None)
+            key = (task.step, name)
+            if key in self._waiting:
+                raise ValueError(f"tensor {name!r} was reserved twice in step {task.step}; names must be unique "
+                                 "per step")
+            self._waiting[key] = task
+            self._unissued_per_step[task.step] += 1  # the step is not over while its data is missing
             self._pending[id(task)] = task
-            for piece in task.pieces:
-                self._enqueue(piece)
-            self._dispatch_cv.notify()
-        return future
+            if self._mode == "fifo":
+                self._reserved_order.append(task)
+        return Ticket(self, task)
+
+    def _ticket_ready(self, task: Task, tensor: Any) -> None:
+        try:
+            bounds = self._bounds_of(tensor)
+        except BaseException as exc:
+            self._fail(CommschedError(f"tensor {task.name!r} cannot be reduced: {exc}"), cause=exc)
+            return
+        with self._lock:
+            if self._closed or self._error is not None or self._waiting.get((task.step, task.name)) is not task:
+                return  # failed or closed meanwhile: its future has failed already
+            del self._waiting[(task.step, task.name)]
+            self._unissued_per_step[task.step] -= 1
+            if not self._unissued_per_step[task.step]:
+                del self._unissued_per_step[task.step]
+            task.tensor = tensor
+            ready = [(task, bounds)]
+            if self._mode == "fifo":  # parked until every earlier ticket is ready
+                self._parked[id(task)] = bounds
+                order = self._reserved_order
+                ready = []
+                while order and id(order[0]) in self._parked:
+                    head = order.popleft()
+                    ready.append((head, self._parked.pop(id(head))))
+            try:
+                for each, each_bounds in ready:
+                    self._attach(each, each.tensor, each_bounds)
+            except BaseException as exc:  # the static plan refuses it, say: fail, never raise here
+                self._fail_locked(exc if isinstance(exc, CommschedError) else
+                                  CommschedError(f"tensor {task.name!r} cannot be reduced: {exc}"))
+
+    def bounds(self, numel: int, element_size: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` element ranges of the pieces of a tensor of that size.
+
+        This is what :meth:`submit` cuts with (``partition_bytes`` of the config);
+        computed once per size. A plugin that must name pieces in advance (MXNet's
+        sub-keys) uses this, so it always agrees with the scheduler.
+        """
+        key = (int(numel), int(element_size))
+        found = self._bounds_cache.get(key)
+        if found is None:
+            found = self._bounds_cache[key] = piece_bounds(key[0], key[1], self.config.partition_bytes)
+        return found
+
+    def abort(self, error: BaseException) -> None:
+        """Put the scheduler in its failed state with ``error`` (a plugin's watchdog saw a
+        reduction stuck beyond ``timeout_s``, say): every pending future fails with it, it
+        is raised at the next call, and the other ranks are told. No-op once failed."""
+        self._fail(error)
+
+    def _bounds_of(self, tensor: Any) -> list[tuple[int, int]]:
+        return self.bounds(int(self.ops.numel(tensor)), int(self.ops.element_size(tensor)))
+
+    def _new_task(self, name: str, priority: int, on_done: Callable[[Task], None] | None, ready: Any) -> Task:
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        task = Task(name=name, tensor=None, priority=int(priority), step=self._step, seq=self._seq, future=future,
+                    on_done=on_done, submitted_us=now_us(), ready=ready)
+        self._seq += 1
+        self._submitted_in_step += 1
+        self._stats["tasks"] += 1
+        self._step_names[task.step].add(name)
+        return task
+
+    def _attach(self, task: Task, tensor: Any, bounds: list[tuple[int, int]]) -> None:
+        """Cut ``tensor`` into the task's pieces and queue them (lock held)."""
+        name, step = task.name, task.step
+        if self._static and step >= 1 and self._plan is not None and any(
+                f"{name}#{index}" not in self._plan_names for index in range(len(bounds))):
+            raise OrderAgreementError(
+                f"tensor {name!r} ({len(bounds)} pieces) does not match the static plan made in the profiling "
+                "step (it is new there, or its size changed); ordering='static' needs the same tensors, of the "
+                "same sizes, every step (use ordering='dynamic')")
+        itemsize = int(self.ops.element_size(tensor))
+        pieces = []
+        for index, (lo, hi) in enumerate(bounds):
+            pname = f"{name}#{index}"
+            if (step, pname) in self._unissued:
+                raise ValueError(f"tensor {name!r} was submitted twice in step {step} before its first "
+                                 "submission started; names must be unique per step")
+            pieces.append(Piece(task, index, lo, hi, (hi - lo) * itemsize, self.ops.flat_view(tensor, lo, hi), pname))
+        task.tensor = tensor
+        task.pieces = pieces
+        task.remaining = len(pieces)
+        self._pending[id(task)] = task
+        if not pieces:  # zero-size: done at once
+            self._completed.append(task)
+            self._complete_cv.notify()
+            return
+        for piece in pieces:
+            self._enqueue(piece)
+        self._dispatch_cv.notify()
 
     def mark_step(self) -> int:
         """End the current step: every tensor of it has been submitted. Returns the new step.
@@ -479,7 +597,10 @@ class Scheduler:
     def _pending_names_locked(self) -> list[str]:
         names = [f"{p.name} (in flight)" for p in self._in_flight.values()]
         names += [f"{p.name} (queued)" for _, p in sorted(self._unissued.items(), key=lambda kv: kv[1].key)]
-        names += [f"{t.name} (updating)" for t in self._pending.values() if t.remaining == 0]
+        names += [f"{t.name} (waiting for data)" for t in self._waiting.values()]
+        names += [f"{t.name} (waiting for an earlier ticket)" for t in self._reserved_order if id(t) in self._parked]
+        names += [f"{t.name} (updating)" for t in self._pending.values() if t.remaining == 0
+                  and self._waiting.get((t.step, t.name)) is not t and id(t) not in self._parked]
         return names
 
     def _enqueue(self, piece: Piece) -> None:
@@ -526,6 +647,8 @@ class Scheduler:
         name = self._plan[self._plan_pos]
         piece = self._unissued.get((self._plan_step, name))
         if piece is None:
+            if (self._plan_step, name.rsplit("#", 1)[0]) in self._waiting:
+                return None  # reserved, its data is not ready yet
             if self._step > self._plan_step:
                 self._fail_locked(OrderAgreementError(
                     f"step {self._plan_step} communicated no gradient for {name.rsplit('#', 1)[0]!r} although "
@@ -552,6 +675,8 @@ class Scheduler:
             if kind == "P":
                 piece = self._unissued.get((step, entry[2]))
                 if piece is None:
+                    if (step, entry[2].rsplit("#", 1)[0]) in self._waiting:
+                        return None  # reserved here, its data is not ready yet
                     if self._step > step:
                         self._fail_locked(OrderAgreementError(
                             f"rank 0 communicated {entry[2]!r} in step {step} but rank {self.rank} has no such "
@@ -564,6 +689,8 @@ class Scheduler:
                 return piece
             if self._step <= step:  # END or PLAN: wait until this rank has ended that step too
                 return None
+            if any(s == step for s, _ in self._waiting):
+                return None  # a reserved tensor of that step may still be one rank 0 did not send
             extra = sorted(p.name for (s, _), p in self._unissued.items() if s == step)
             if extra:
                 self._fail_locked(OrderAgreementError(
