@@ -16,18 +16,20 @@ from commsched._version import __version__
 __all__ = ["main"]
 
 # `commsched bench --framework X` -> the module that benchmarks framework X
+# (torch's workload benchmark is framework-free code that loads the plugin's parts when it runs)
 BENCH_FRAMEWORKS = {
-    "torch": "commsched.plugins.torch.bench.cli",
+    "torch": "commsched.bench.cli",
     "tensorflow": "commsched.plugins.tensorflow.bench",
     "mxnet": "commsched.plugins.mxnet.bench",
 }
 
 # subcommand -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS = {
-    "bench": ("commsched.plugins.torch.bench.cli",
-              "emulated-cluster benchmark: commsched vs DDP and Horovod (needs torch)"),
+    "bench": ("commsched.bench.cli",
+              "emulated-cluster benchmark of commsched against the framework's stock strategy "
+              "(--framework torch|tensorflow|mxnet, default torch; needs that framework)"),
     "demo": ("commsched.plugins.torch.demo",
-             "the demo job: 2 gloo workers training with the scheduler (needs torch)"),
+             "the quick benchmark (make demo): 2 workers, 1 Gbit/s, DDP vs commsched dynamic (needs torch)"),
     "launch": ("commsched.plugins.mxnet.launch",
                "start an MXNet parameter-server job on this machine (needs mxnet)"),
 }

@@ -1,7 +1,7 @@
 """Machine-wide CPU busy fraction from ``/proc/stat``.
 
 On the emulated cluster the CPUs, not the links, become the bottleneck above a
-few Gbit/s (ENVIRONMENT.md), so every measurement reports how busy they were.
+few Gbit/s (measured on 2 cores: docs/bench.md, Limits), so every measurement reports how busy they were.
 ``/proc/stat`` is not namespaced: the number covers the whole machine,
 including other users' load.
 """

@@ -1,6 +1,6 @@
 """An emulated cluster on one machine: network namespaces, a bridge, ``tc tbf``.
 
-Topology (a star, as in ENVIRONMENT.md)::
+Topology (a star: one switch, one link per node)::
 
     node ns  <prefix>n0   eth0 10.99.0.1 ──veth── p0 ┐
     node ns  <prefix>n1   eth0 10.99.0.2 ──veth── p1 ┤ br0 in switch ns <prefix>sw
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 SUBNET = "10.99.0."
 NETMASK_BITS = 24
 MTU = 9000
-#: Token bucket depth. 256 KiB worked at 1-3 Gbit/s (ENVIRONMENT.md); it must
+#: Token bucket depth. 256 KiB worked at 1-3 Gbit/s on this harness; it must
 #: exceed the largest packet, 64 KiB on a loopback device.
 BURST_BYTES = 256 * 1024
 TBF_LATENCY = "20ms"

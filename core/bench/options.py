@@ -1,4 +1,4 @@
-"""Flags and helpers shared by the per-framework benchmarks (TensorFlow, MXNet).
+"""Flags and helpers shared by the MLP benchmarks (TensorFlow, MXNet).
 
 The PyTorch benchmark has its own richer CLI (workloads); the other frameworks
 benchmark an MLP on the same emulated cluster and take the same flags.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-__all__ = ["add_mlp_bench_arguments", "parse_strategy_list"]
+__all__ = ["add_mlp_bench_arguments", "mlp_param_count", "parse_strategy_list"]
 
 
 def add_mlp_bench_arguments(parser: argparse.ArgumentParser, *, strategies: Sequence[str], default_strategies: str,
@@ -40,3 +40,9 @@ def parse_strategy_list(text: str, allowed: Sequence[str]) -> tuple[list[str], l
     """``(strategies, unknown)`` from a comma-separated list."""
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     return chosen, sorted(set(chosen) - set(allowed))
+
+
+def mlp_param_count(inputs: int, hidden: int, layers: int, classes: int) -> int:
+    """Parameters of the benchmarks' MLP: ``layers`` dense layers of width ``hidden``
+    after ``inputs`` features, then a dense layer to ``classes`` logits (weights and biases)."""
+    return inputs * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden * classes + classes

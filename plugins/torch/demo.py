@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from commsched.plugins.torch.bench import cli as bench_cli
+from commsched.bench import cli as bench_cli
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's flags (a subset of ``commsched bench``'s) to ``parser``."""
+    parser.description = ("The quick benchmark: commsched bench --workload balanced --workers 2 "
+                          "--bandwidth 1gbit, DDP against commsched dynamic; writes demo.json and demo.png.")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per strategy (default 12)")
     parser.add_argument("--strategies", default="ddp,dynamic", help="default: ddp,dynamic")
     parser.add_argument("--out", default="out", help="folder for demo.json and demo.png (default out/)")
@@ -22,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the quick benchmark; the exit status of ``commsched bench``."""
     bench_args = [
         "--workload", "balanced", "--workers", "2", "--bandwidth", "1gbit",
         "--strategies", args.strategies, "--steps", str(args.steps), "--warmup", "3",

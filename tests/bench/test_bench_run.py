@@ -19,12 +19,12 @@ import pytest
 pytest.importorskip("torch")
 
 from commsched.bench import netns  # noqa: E402
-from commsched.plugins.torch.bench.report import SCHEMA  # noqa: E402
+from commsched.bench.report import RESULT_KEYS, SCHEMA  # noqa: E402
 
 needs_root = pytest.mark.skipif(not netns.netns_available()[0],
                                 reason=f"needs root: {netns.netns_available()[1]}")
 
-ENTRY_KEYS = {"strategy", "status", "step_time_s", "speedup_vs_ddp", "bubble_s",
+ENTRY_KEYS = {"strategy", "status", "step_time_s", "speedup_vs_baseline", "bubble_s",
               "overlap_ratio", "efficiency", "throughput_samples_s", "cpu_busy", "workers_cpu_busy",
               "params_consistent", "step_time_iqr_s", "bubble_method"}
 BASELINE_KEYS = {"forward_s", "backward_s", "compute_s", "comm_s", "compute_under_comm_s",
@@ -49,6 +49,7 @@ def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def _check_entry(entry: dict, report: dict) -> None:
     assert ENTRY_KEYS <= entry.keys()
+    assert list(entry) == list(RESULT_KEYS)  # the one schema of every framework (docs/bench.md)
     assert entry["status"] == "ok", entry.get("reason")
     assert entry["step_time_s"] > 0
     assert entry["step_time_iqr_s"] >= 0
@@ -79,13 +80,14 @@ def test_loopback_run_writes_report_table_and_plot(tmp_path):
     assert [r["strategy"] for r in report["results"]] == ["ddp", "horovod"]
     ddp, horovod = report["results"]
     _check_entry(ddp, report)
-    assert ddp["speedup_vs_ddp"] == 1.0
+    assert report["framework"] == "torch" and report["baseline_strategy"] == "ddp"
+    assert ddp["speedup_vs_baseline"] == 1.0
     if importlib.util.find_spec("horovod") is None:
         assert horovod["status"] == "skipped" and "horovod" in horovod["reason"]
         assert horovod["step_time_s"] is None
     else:
         _check_entry(horovod, report)
-        assert horovod["speedup_vs_ddp"] == pytest.approx(
+        assert horovod["speedup_vs_baseline"] == pytest.approx(
             ddp["step_time_s"] / horovod["step_time_s"])
     assert "| ddp |" in proc.stdout and "| horovod |" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -100,7 +102,7 @@ def test_loopback_run_writes_report_table_and_plot(tmp_path):
 def test_bad_arguments_exit_2_naming_the_fix(argv, fix, capsys):
     import argparse
 
-    from commsched.plugins.torch.bench import cli
+    from commsched.bench import cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

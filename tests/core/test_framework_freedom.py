@@ -21,6 +21,9 @@ SCRIPT = textwrap.dedent(
     from commsched import Scheduler, SchedulerConfig
     from commsched.backends import ArrayOps, InProcessWorld
     import commsched.config, commsched.partition, commsched.store, commsched.timeline, commsched.errors
+    # the framework-free half of `commsched bench` (the frameworks' halves live in the plugins)
+    import commsched.bench.cli, commsched.bench.runner, commsched.bench.report, commsched.bench.spec
+    import commsched.bench.options, commsched.bench.procs, commsched.bench.netns, commsched.bench.cpu
 
     config = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=20)
     world = InProcessWorld(2)

@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("mxnet")
 
+from commsched.bench.report import REPORT_KEYS, RESULT_KEYS, SCHEMA, TABLE_HEADER  # noqa: E402
+
 
 @pytest.mark.timeout(120)
 def test_the_benchmark_compares_dist_sync_with_commsched(tmp_path):
@@ -21,7 +23,16 @@ def test_the_benchmark_compares_dist_sync_with_commsched(tmp_path):
         capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(report.read_text())
+    assert data["schema"] == SCHEMA and list(data) == list(REPORT_KEYS)
+    assert data["framework"] == "mxnet" and data["baseline_strategy"] == "dist_sync"
+    assert data["config"]["workers"] == 2 and data["config"]["nodes"] == 3 and data["workload"]["param_bytes"] > 0
     rows = {r["strategy"]: r for r in data["results"]}
-    assert rows["dist_sync"]["step_s"] > 0 and rows["dist_sync"]["vs_dist_sync"] == 1.0
-    assert rows["dynamic"]["step_s"] > 0 and rows["dynamic"]["pieces_per_step"] > 4
+    assert list(rows) == ["dist_sync", "dynamic"]
+    for row in rows.values():
+        assert list(row) == list(RESULT_KEYS)
+        assert row["status"] == "ok" and row["step_time_s"] > 0 and row["step_time_iqr_s"] >= 0
+        assert row["measured_steps"] == 3  # 4 steps after the warmup: 3 intervals
+    assert rows["dist_sync"]["speedup_vs_baseline"] == 1.0
+    assert rows["dynamic"]["speedup_vs_baseline"] > 0 and rows["dynamic"]["pieces_per_step"] > 4
+    assert TABLE_HEADER in proc.stdout
     assert "| dynamic |" in proc.stdout

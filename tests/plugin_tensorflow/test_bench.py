@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from commsched.bench.report import REPORT_KEYS, RESULT_KEYS, SCHEMA, TABLE_HEADER  # noqa: E402
+
 
 @pytest.mark.timeout(120)
 def test_the_benchmark_compares_mwms_with_commsched(tmp_path):
@@ -22,13 +24,19 @@ def test_the_benchmark_compares_mwms_with_commsched(tmp_path):
         capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(report.read_text())
-    assert data["framework"] == "tensorflow" and data["workers"] == 2 and data["gradient_mb"] > 0
-    assert {"network", "bandwidth", "spec", "cpu_busy_warning"} <= set(data)
+    assert data["schema"] == SCHEMA and list(data) == list(REPORT_KEYS)
+    assert data["framework"] == "tensorflow" and data["baseline_strategy"] == "mwms"
+    assert data["config"]["workers"] == 2 and data["workload"]["param_bytes"] > 0
+    assert data["emulation"] == "loopback" and data["config"]["bandwidth"] and data["config"]["extra"]["unroll"] == 1
     rows = {r["strategy"]: r for r in data["results"]}
     assert list(rows) == ["mwms", "dynamic"]
     for row in rows.values():
-        assert row["status"] == 0 and row["step_s"] > 0 and row["iqr_s"] >= 0 and row["steps"] >= 2
-        assert row["world"] == 2 and "cpu_busy" in row and "wall_s" in row
-    assert rows["mwms"]["vs_mwms"] == 1.0 and rows["mwms"]["speedup_vs_mwms"] == 1.0
-    assert rows["dynamic"]["speedup_vs_mwms"] > 0 and rows["dynamic"]["pieces_per_step"] > 4
+        assert list(row) == list(RESULT_KEYS)
+        assert row["status"] == "ok" and row["step_time_s"] > 0 and row["step_time_iqr_s"] >= 0
+        assert row["measured_steps"] >= 2
+        assert row["throughput_samples_s"] == pytest.approx(2 * 8 / row["step_time_s"])  # world 2 x batch 8
+        assert 0 <= row["cpu_busy"] <= 1
+    assert rows["mwms"]["speedup_vs_baseline"] == 1.0
+    assert rows["dynamic"]["speedup_vs_baseline"] > 0 and rows["dynamic"]["pieces_per_step"] > 4
+    assert TABLE_HEADER in proc.stdout
     assert "| dynamic |" in proc.stdout and "| mwms |" in proc.stdout

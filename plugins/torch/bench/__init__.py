@@ -1,7 +1,9 @@
-"""``commsched bench`` on PyTorch: workloads, the worker process, runner, report.
+"""``commsched bench --framework torch``: the framework parts of the benchmark.
 
-Entry points: :func:`commsched.plugins.torch.bench.cli.add_arguments` and
-:func:`commsched.plugins.torch.bench.cli.run` (registered by ``commsched``'s
-CLI as the ``bench`` subcommand), or ``python -m commsched.plugins.torch.bench``.
-The network emulation itself is framework-free: :mod:`commsched.bench.netns`.
+Same file names in every plugin: :mod:`.strategies` (DDP, Horovod, commsched
+orderings; which cannot run here), :mod:`.worker` (one rank's process),
+:mod:`.workloads` (the models). The CLI, the runner, the report and the
+strategy parser are framework-free, in :mod:`commsched.bench`
+(:mod:`commsched.bench.cli` is what ``commsched bench`` runs);
+``python -m commsched.plugins.torch.bench`` runs it alone.
 """

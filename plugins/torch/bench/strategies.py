@@ -19,6 +19,7 @@ raises :class:`StrategyUnavailable` with a message that says why.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from collections.abc import Callable
@@ -27,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from commsched.bench.procs import horovod_gloo_rendezvous
-from commsched.plugins.torch.bench.spec import StrategySpec, parse_strategies
+from commsched.bench.spec import StrategySpec, parse_strategies
 from torch import nn
 
-__all__ = ["StrategySpec", "StrategyUnavailable", "make_strategy", "parse_strategies"]
+__all__ = ["StrategySpec", "StrategyUnavailable", "make_strategy", "parse_strategies", "unavailable_reason"]
 
 #: "Very large": with pieces and credit this big, commsched neither cuts
 #: tensors nor holds any back, i.e. it only keeps the backward (FIFO) order.
@@ -266,3 +267,22 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
     return CommschedStrategy(model, make_opt, spec.kind, run_spec["partition_bytes"],
                              run_spec["credit_bytes"], timeline)
+
+
+def unavailable_reason(spec: StrategySpec) -> str | None:
+    """Why ``spec`` cannot run in this environment, or ``None`` if it may.
+
+    Checked by the runner before it starts any worker for the strategy; the
+    workers check again (and report a skip) for failures only an import shows.
+    """
+    if spec.kind == "horovod":
+        if importlib.util.find_spec("horovod") is None:
+            return ("horovod is not installed (import horovod.torch fails); to include it, install "
+                    "Horovod built with PyTorch and gloo (`make horovod` in the repository)")
+    elif spec.is_commsched:
+        try:
+            from commsched.plugins.torch import DistributedOptimizer  # noqa: F401
+        except ImportError as exc:
+            return (f"commsched's PyTorch plugin is not importable ({exc}); "
+                    "install commsched with its torch plugin")
+    return None

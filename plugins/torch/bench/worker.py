@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     # gloo sometimes aborts during interpreter teardown ("terminate called without an
-    # active exception", ENVIRONMENT.md) even after destroy_process_group(); the result
+    # active exception") even after destroy_process_group(); the result
     # is written and every scheduler closed, so skip the teardown rather than let a
     # finished run look failed.
     sys.stdout.flush()

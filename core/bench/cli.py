@@ -1,21 +1,48 @@
 """``commsched bench``: compare communication strategies on an emulated cluster.
 
 ``core/cli.py`` registers the subcommand with :func:`add_arguments` and calls
-:func:`run`; ``python -m commsched.plugins.torch.bench`` does the same alone.
+:func:`run` (``--framework torch``, the default); ``python -m
+commsched.plugins.torch.bench`` does the same alone. The framework parts come
+from the plugin's ``bench/strategies.py``, ``bench/worker.py`` and
+``bench/workloads.py`` (:data:`PLUGIN`), imported only when a run starts.
+
+:func:`run_strategies` is the shared loop of the MLP benchmarks
+(``--framework tensorflow|mxnet``): one fresh cluster per strategy, one report.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import logging
 import shutil
 import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
+from commsched.bench.cpu import BUSY_WARNING, CpuWindow
 from commsched.bench.netns import NetworkSetupError, make_cluster, parse_rate
+from commsched.bench.options import parse_strategy_list
 from commsched.bench.procs import signals_raise
-from commsched.plugins.torch.bench.report import build_report, markdown, plot, write_json
-from commsched.plugins.torch.bench.runner import RunConfig, Runner, make_work_dir
-from commsched.plugins.torch.bench.spec import parse_strategies
+from commsched.bench.report import (
+    assemble_report,
+    build_report,
+    markdown,
+    median,
+    plot,
+    reference_baseline,
+    result_entry,
+    step_fields,
+    write_json,
+)
+from commsched.bench.runner import RunConfig, Runner, make_work_dir
+from commsched.bench.spec import parse_strategies
+
+#: The plugin package that supplies the workload benchmark's framework parts.
+PLUGIN = "commsched.plugins.torch.bench"
 
 DEFAULT_STRATEGIES = "ddp,ddp:4,horovod,fifo,dynamic,static"
 #: Workloads offered on the command line ("tiny" exists for tests).
@@ -75,10 +102,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
     parse_rate(args.bandwidth)
     parse_rate(args.intra_bandwidth)
     strategies = parse_strategies(args.strategies)
-    # Last: it imports torch, slow enough that argument errors should come first.
-    from commsched.plugins.torch.bench.workloads import get_workload
-
-    workload = get_workload(args.workload)
+    # Last: it imports the framework, slow enough that argument errors should come first.
+    workload = importlib.import_module(f"{PLUGIN}.workloads").get_workload(args.workload)
     return RunConfig(
         workload=args.workload, workers=args.workers, nodes=nodes,
         bandwidth=None if parse_rate(args.bandwidth) is None else args.bandwidth,
@@ -99,9 +124,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"commsched bench: {exc}", file=sys.stderr)
         return 2
-    from commsched.plugins.torch.bench.workloads import get_workload
-
-    workload = get_workload(config.workload)
+    workloads = importlib.import_module(f"{PLUGIN}.workloads")
+    strategies = importlib.import_module(f"{PLUGIN}.strategies")
+    workload = workloads.get_workload(config.workload)
     cluster = make_cluster(config.network, config.nodes, config.bandwidth,
                            config.intra_bandwidth)
     if cluster.emulation == "loopback":
@@ -112,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
           f"{cluster.note}; logs in {work_dir}", file=sys.stderr)
     try:
         with signals_raise(), cluster:
-            baseline, phases = Runner(config, cluster, work_dir).run_all()
+            baseline, phases = Runner(config, cluster, work_dir, worker_module=f"{PLUGIN}.worker",
+                                      unavailable=strategies.unavailable_reason).run_all()
     except NetworkSetupError as exc:
         print(f"commsched bench: cannot build the emulated network: {exc}\n"
               "  (use --network loopback to run unshaped)", file=sys.stderr)
@@ -122,11 +148,9 @@ def run(args: argparse.Namespace) -> int:
               f"logs in {work_dir}", file=sys.stderr)
         return 130
     if baseline.status == "ok":
-        from commsched.plugins.torch.bench.workloads import format_layers
-
         r0 = baseline.ranks[0]
         print(f"{workload.name}: {r0['param_bytes'] / 1e6:.1f} MB of parameters; per layer "
-              f"(rank 0 alone):\n{format_layers(r0['layers'])}", file=sys.stderr)
+              f"(rank 0 alone):\n{workloads.format_layers(r0['layers'])}", file=sys.stderr)
     run_config = {
         "workload": config.workload, "workers": config.workers, "nodes": config.nodes,
         "bandwidth": config.bandwidth, "intra_bandwidth": config.intra_bandwidth,
@@ -134,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup": config.warmup, "baseline_steps": config.baseline_steps,
         "batch_size": config.batch_size, "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "network": config.network, "seed": config.seed,
+        "extra": {"timeout_s": config.phase_timeout_s},
     }
     report = build_report(run_config, cluster.emulation, cluster.note,
                           {"name": workload.name, "description": workload.description},
@@ -157,3 +182,98 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run(parser.parse_args(argv))
+
+
+# ---------------------------------------------------------------- MLP benchmarks (TensorFlow, MXNet)
+#: ``launch(cluster, strategy, out_dir)`` runs one strategy's job to its end and
+#: returns ``None``, or why it failed; worker 0 writes ``out_dir/rank0.json``:
+#: ``{"step_times_s": [...], "world": N, "pieces_per_step": P | null}`` or ``{"skipped": why}``.
+Launch = Callable[[Any, str, Path], "str | None"]
+
+
+def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequence[str], nodes: int,
+                   launch: Launch, workload: dict[str, Any], extra: dict[str, Any]) -> int:
+    """Run each of ``args.strategies`` on a fresh emulated cluster of ``nodes``
+    machines, then print the table and write the report (docs/bench.md).
+
+    Returns 0 when every strategy ran or was skipped, 1 when one failed, 2 on
+    bad arguments or a network that cannot be built, 130 when interrupted
+    (Ctrl-C, SIGTERM, SIGHUP: the cluster is torn down first either way).
+    """
+    chosen, unknown = parse_strategy_list(args.strategies, allowed)
+    if unknown:
+        print(f"commsched bench: unknown strategies {unknown}; choose from {', '.join(allowed)}", file=sys.stderr)
+        return 2
+    if not chosen:
+        print(f"commsched bench: no strategy given; choose from {', '.join(allowed)}", file=sys.stderr)
+        return 2
+    try:
+        parse_rate(args.bandwidth)
+    except ValueError as exc:
+        print(f"commsched bench: {exc}", file=sys.stderr)
+        return 2
+    raw: list[tuple[str, dict | None, str | None, dict, Path]] = []
+    note, emulation = "", args.network
+    try:
+        with signals_raise():  # Ctrl-C / SIGTERM: the cluster's __exit__ kills the workers and deletes namespaces
+            for strategy in chosen:
+                out = Path(tempfile.mkdtemp(prefix=f"commsched-bench-{framework}-{strategy}-"))
+                with make_cluster(args.network, nodes, args.bandwidth) as cluster:
+                    note, emulation = cluster.note, cluster.emulation
+                    window = CpuWindow()
+                    error = launch(cluster, strategy, out)
+                    cpu = window.stop()
+                result = _read_json(out / "rank0.json")
+                raw.append((strategy, result, error, cpu, out))
+                print(_progress_line(strategy, result, error, out), file=sys.stderr, flush=True)
+    except NetworkSetupError as exc:
+        print(f"commsched bench: cannot build the emulated network: {exc}\n"
+              "  (use --network loopback to run unshaped)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(f"commsched bench: interrupted ({exc or 'SIGINT'}); network torn down", file=sys.stderr)
+        return 130
+    steps = {s: r["step_times_s"] for s, r, _, _, _ in raw if r and r.get("step_times_s")}
+    baseline = reference_baseline(*(median(steps[s]) if s in steps else None for s in ("compute", "comm")))
+    results = [_mlp_entry(s, r, e, cpu, out, args.batch_size, baseline) for s, r, e, cpu, out in raw]
+    config = {
+        "workload": workload["name"], "workers": args.workers, "nodes": nodes, "bandwidth": args.bandwidth,
+        "intra_bandwidth": None, "strategies": chosen, "steps": args.steps, "warmup": args.warmup,
+        "baseline_steps": None, "batch_size": args.batch_size,
+        "partition_bytes": int(args.partition_mb * MB), "credit_bytes": int(args.credit_mb * MB),
+        "network": args.network, "seed": 0, "extra": extra,
+    }
+    report = assemble_report(framework, config, emulation, note, workload, baseline, results)
+    write_json(report, args.json)
+    print(markdown(report))
+    return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _progress_line(strategy: str, result: dict | None, error: str | None, out: Path) -> str:
+    if result and result.get("skipped"):
+        return f"{strategy:>18}: skipped ({result['skipped']})"
+    if result and result.get("step_times_s") and error is None:
+        return f"{strategy:>18}: {median(result['step_times_s']) * 1000:8.1f} ms/step (median)"
+    return f"{strategy:>18}: failed ({(error or 'worker 0 wrote no result').splitlines()[0]}); logs in {out}"
+
+
+def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict, out: Path,
+               batch_size: int, baseline: dict | None) -> dict[str, Any]:
+    if result and result.get("skipped"):
+        return result_entry(strategy, "skipped", reason=result["skipped"], logs=str(out))
+    if error is not None or not result or not result.get("step_times_s"):
+        return result_entry(strategy, "failed", reason=(error or f"worker 0 wrote no result ({out})")[-2000:],
+                            logs=str(out))
+    busy = cpu["cpu_busy"]
+    return result_entry(
+        strategy, "ok", **step_fields(result["step_times_s"], batch_size * result.get("world", 1), baseline),
+        cpu_busy=busy, cpu_warning=busy is not None and busy > BUSY_WARNING,
+        pieces_per_step=result.get("pieces_per_step"), logs=str(out),
+    )

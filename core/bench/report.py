@@ -1,4 +1,11 @@
-"""Turn raw phase results into metrics, a markdown table, JSON and a plot.
+"""One report for every framework: metrics, a markdown table, JSON and a plot.
+
+``commsched bench --framework {torch,tensorflow,mxnet}`` all write this schema
+(:data:`SCHEMA`; every result entry has exactly :data:`RESULT_KEYS`, the
+``baseline`` block :data:`BASELINE_KEYS`, the document :data:`REPORT_KEYS`) and
+print the same table (:func:`markdown`), so reports of different frameworks,
+and measured and predicted reports, compare key by key. docs/bench.md has the
+schema. Fields a framework's benchmark cannot measure are ``null``.
 
 Definitions (all times are medians over the measured steps, in seconds):
 
@@ -13,11 +20,12 @@ Definitions (all times are medians over the measured steps, in seconds):
 - ``ddp_model_s = forward_s + max(backward_s, comm_s) + optimizer_s``: DDP
   overlaps communication with backward only, so it pays about that;
 - ``ceiling_speedup_vs_ddp = ddp_model_s / lower_bound_s``: what perfect
-  scheduling could gain over DDP. When communication outlasts backward this is
+  scheduling could gain over DDP (torch only). When communication outlasts backward this is
   ``(forward + comm) / max(compute, comm)`` (plus the optimizer step); when
-  backward hides it, 1 -- nothing to gain (the plain formula would give < 1).
-
-See README.md beside this file for the JSON schema.
+  backward hides it, 1 -- nothing to gain (the plain formula would give < 1);
+- ``speedup_vs_baseline = baseline step time / step time``, where the baseline
+  is the framework's stock strategy named by ``baseline_strategy`` (``ddp``,
+  ``mwms``, ``dist_sync``).
 """
 
 from __future__ import annotations
@@ -31,7 +39,31 @@ from typing import Any
 
 from commsched.bench.cpu import BUSY_WARNING
 
-SCHEMA = "commsched-bench/1"
+SCHEMA = "commsched-bench/2"
+
+#: The stock strategy each framework's speedups are relative to.
+BASELINE_STRATEGY = {"torch": "ddp", "tensorflow": "mwms", "mxnet": "dist_sync"}
+
+#: Keys of the whole document.
+REPORT_KEYS = ("schema", "framework", "predicted", "baseline_strategy", "config", "emulation",
+               "emulation_note", "host", "workload", "baseline", "results", "warnings")
+#: Keys of ``config``.
+CONFIG_KEYS = ("workload", "workers", "nodes", "bandwidth", "intra_bandwidth", "strategies", "steps",
+               "warmup", "baseline_steps", "batch_size", "partition_bytes", "credit_bytes", "network",
+               "seed", "extra")
+#: Keys of ``workload``.
+WORKLOAD_KEYS = ("name", "description", "param_bytes", "num_params", "layers")
+#: Keys of ``baseline`` (the reference measurements), when it is not ``null``.
+BASELINE_KEYS = ("forward_s", "backward_s", "optimizer_s", "compute_s", "compute_one_worker_s", "comm_s",
+                 "comm_cpu_busy", "comm_workers_cpu_busy", "forward_under_comm_s", "backward_under_comm_s",
+                 "compute_under_comm_s", "under_comm_coverage", "lower_bound_s", "no_overlap_s",
+                 "ddp_model_s", "ceiling_speedup_vs_ddp")
+#: Keys of every ``results[]`` entry, whatever its status.
+RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", "step_time_p25_s",
+               "step_time_p75_s", "step_time_iqr_s", "mean_step_time_s", "step_time_per_rank_s",
+               "throughput_samples_s", "speedup_vs_baseline", "bubble_s", "bubble_method", "forward_s",
+               "backward_s", "step_call_s", "overlap_ratio", "efficiency", "cpu_busy", "workers_cpu_busy",
+               "cpu_warning", "params_consistent", "pieces_per_step", "timeline", "stats", "logs")
 
 
 def median(values: Sequence[float]) -> float | None:
@@ -105,46 +137,61 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     }
 
 
-def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
-                       ) -> dict[str, Any]:
-    """One strategy's entry of the report (``phase`` is a runner.PhaseResult)."""
-    entry: dict[str, Any] = {"strategy": phase.name, "status": phase.status}
-    if phase.status != "ok":
-        entry["reason"] = phase.reason
-        for key in ("step_time_s", "speedup_vs_ddp", "bubble_s", "overlap_ratio", "efficiency"):
-            entry[key] = None
-        return entry
-    r0 = phase.ranks[0]
-    steps = r0["step_times_s"]
+def result_entry(strategy: str, status: str, **fields: Any) -> dict[str, Any]:
+    """A ``results[]`` entry with exactly :data:`RESULT_KEYS` (unset ones ``None``)."""
+    unknown = set(fields) - set(RESULT_KEYS)
+    if unknown:
+        raise KeyError(f"not result keys: {sorted(unknown)}; add them to RESULT_KEYS and docs/bench.md")
+    entry: dict[str, Any] = dict.fromkeys(RESULT_KEYS)
+    entry.update(strategy=strategy, status=status, **fields)
+    return entry
+
+
+def step_fields(steps: Sequence[float], samples_per_step: int, baseline: dict | None) -> dict[str, Any]:
+    """The step-time fields of an entry from its measured step times (seconds)."""
     step = median(steps)
     p25, p75 = quantile(steps, 0.25), quantile(steps, 0.75)
-    bubble, method = _bubble(phase.ranks, baseline)
-    entry.update({
+    fields: dict[str, Any] = {
+        "measured_steps": len(steps),
         "step_time_s": step,
         "step_time_p25_s": p25,
         "step_time_p75_s": p75,
         "step_time_iqr_s": p75 - p25,
-        "mean_step_time_s": r0["total_s"] / len(steps),
-        "step_time_per_rank_s": [median(r["step_times_s"]) for r in phase.ranks],
+        "mean_step_time_s": sum(steps) / len(steps),
         "throughput_samples_s": samples_per_step / step,
-        "speedup_vs_ddp": None,  # filled in by build_report
-        "bubble_s": bubble,
-        "bubble_method": method,
-        "forward_s": _max_over_ranks(phase.ranks, "forward_s"),
-        "backward_s": _max_over_ranks(phase.ranks, "backward_s"),
-        "step_call_s": _max_over_ranks(phase.ranks, "step_call_s"),
-        **_cpu_fields(phase.ranks),
-        "params_consistent": len({r["checksum"] for r in phase.ranks}) == 1,
-        "timeline": r0.get("timeline"),
-        "stats": r0.get("stats") or {},
-    })
-    if baseline is not None:
+    }
+    if baseline is not None and baseline.get("comm_s") and baseline.get("compute_s") is not None:
         comm, compute = baseline["comm_s"], baseline["compute_s"]
-        entry["overlap_ratio"] = (compute + comm - step) / comm if comm > 0 else None
-        entry["efficiency"] = baseline["lower_bound_s"] / step
-    else:
-        entry["overlap_ratio"] = entry["efficiency"] = None
-    return entry
+        fields["overlap_ratio"] = (compute + comm - step) / comm
+        fields["efficiency"] = baseline["lower_bound_s"] / step
+    return fields
+
+
+def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
+                       ) -> dict[str, Any]:
+    """One strategy's entry of the report (``phase`` is a runner.PhaseResult)."""
+    if phase.status != "ok":
+        return result_entry(phase.name, phase.status, reason=phase.reason)
+    r0 = phase.ranks[0]
+    steps = r0["step_times_s"]
+    bubble, method = _bubble(phase.ranks, baseline)
+    fields = step_fields(steps, samples_per_step, baseline)
+    fields["mean_step_time_s"] = r0["total_s"] / len(steps)
+    stats = r0.get("stats") or {}
+    return result_entry(
+        phase.name, "ok", **fields,
+        step_time_per_rank_s=[median(r["step_times_s"]) for r in phase.ranks],
+        bubble_s=bubble,
+        bubble_method=method,
+        forward_s=_max_over_ranks(phase.ranks, "forward_s"),
+        backward_s=_max_over_ranks(phase.ranks, "backward_s"),
+        step_call_s=_max_over_ranks(phase.ranks, "step_call_s"),
+        **_cpu_fields(phase.ranks),
+        params_consistent=len({r["checksum"] for r in phase.ranks}) == 1,
+        pieces_per_step=r0.get("pieces_per_step"),
+        timeline=r0.get("timeline"),
+        stats=stats,
+    )
 
 
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
@@ -174,8 +221,8 @@ def _bubble(ranks: list[dict], baseline: dict | None) -> tuple[float | None, str
 
 
 def build_report(config: dict, emulation: str, emulation_note: str, workload: dict,
-                 baseline_phase: Any, phases: list[Any]) -> dict[str, Any]:
-    """The whole JSON document (see README.md) from the runner's phases."""
+                 baseline_phase: Any, phases: list[Any], framework: str = "torch") -> dict[str, Any]:
+    """The whole JSON document (docs/bench.md) from the runner's phases (torch's workload benchmark)."""
     warnings: list[str] = []
     baseline = None
     if baseline_phase.status == "ok":
@@ -192,10 +239,39 @@ def build_report(config: dict, emulation: str, emulation_note: str, workload: di
         warnings.append(f"baseline failed: {baseline_phase.reason}")
     samples = config["batch_size"] * config["workers"]
     results = [summarize_strategy(p, baseline, samples) for p in phases]
-    ddp = next((r for r in results if r["strategy"] == "ddp" and r["status"] == "ok"), None)
+    return assemble_report(framework, config, emulation, emulation_note, workload, baseline, results, warnings)
+
+
+def reference_baseline(compute_s: float | None, comm_s: float | None) -> dict[str, Any] | None:
+    """A ``baseline`` block from a compute-only and a communication-only step time.
+
+    The MLP benchmarks (TensorFlow, MXNet) measure these as their ``compute``
+    and ``comm`` strategies; what they do not measure is ``None``.
+    """
+    if compute_s is None or comm_s is None:
+        return None
+    block: dict[str, Any] = dict.fromkeys(BASELINE_KEYS)
+    block.update(compute_s=compute_s, comm_s=comm_s, lower_bound_s=max(compute_s, comm_s),
+                 no_overlap_s=compute_s + comm_s)
+    return block
+
+
+def assemble_report(framework: str, config: dict, emulation: str, emulation_note: str, workload: dict,
+                    baseline: dict | None, results: list[dict], warnings: list[str] | None = None
+                    ) -> dict[str, Any]:
+    """The document from finished entries: speedups against the framework's
+    baseline strategy, warnings, and every key of :data:`REPORT_KEYS`."""
+    if framework not in BASELINE_STRATEGY:
+        raise ValueError(f"framework {framework!r} is not one of {', '.join(BASELINE_STRATEGY)}")
+    missing = set(CONFIG_KEYS) - set(config)
+    if missing:
+        raise KeyError(f"config lacks {sorted(missing)}")
+    warnings = list(warnings or [])
+    reference = BASELINE_STRATEGY[framework]
+    ref = next((r for r in results if r["strategy"] == reference and r["status"] == "ok"), None)
     for r in results:
-        if r["status"] == "ok" and ddp is not None:
-            r["speedup_vs_ddp"] = ddp["step_time_s"] / r["step_time_s"]
+        if r["status"] == "ok" and ref is not None:
+            r["speedup_vs_baseline"] = ref["step_time_s"] / r["step_time_s"]
         if r.get("cpu_warning"):
             warnings.append(
                 f"{r['strategy']}: CPU busy {r['cpu_busy']:.2f} > {BUSY_WARNING} (this benchmark's "
@@ -205,16 +281,19 @@ def build_report(config: dict, emulation: str, emulation_note: str, workload: di
             warnings.append(f"{r['strategy']}: step {r['step_time_s']:.3f} s beats the lower "
                             "bound measured in the baseline: the CPU load changed between "
                             "phases (other processes?); compare with care")
-        if r["status"] == "ok" and not r["params_consistent"]:
+        if r["status"] == "ok" and r["params_consistent"] is False:
             warnings.append(f"{r['strategy']}: ranks ended with different parameters")
     return {
         "schema": SCHEMA,
+        "framework": framework,
+        "predicted": False,
+        "baseline_strategy": reference,
         "config": config,
         "emulation": emulation,
         "emulation_note": emulation_note,
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                  "machine": platform.machine()},
-        "workload": workload,
+        "workload": {**dict.fromkeys(WORKLOAD_KEYS), **workload},
         "baseline": baseline,
         "results": results,
         "warnings": warnings,
@@ -231,45 +310,51 @@ def _link(report: dict) -> str:
     return f"{rate or 'unshaped'} ({report['emulation']})"
 
 
+#: The table's header, the same for every framework (the baseline strategy is named above it).
+TABLE_HEADER = ("| strategy | step s (median) | IQR s | samples/s | speedup vs baseline (ceiling) "
+                "| bubble s | overlap | efficiency | CPU busy (workers) | pieces/step |")
+
+
 def markdown(report: dict) -> str:
     """The report as a markdown summary and table, for stdout."""
     cfg, base, wl = report["config"], report["baseline"], report["workload"]
     lines = [
-        (f"## commsched bench: {cfg['workload']}, {cfg['workers']} workers on "
+        (f"## commsched bench ({report['framework']}): {cfg['workload']}, {cfg['workers']} workers on "
          f"{cfg['nodes']} node(s), {_link(report)}"),
         "",
         f"- emulation: **{report['emulation']}** ({report['emulation_note']})",
-        (f"- workload: {wl.get('description', '')}; "
+        (f"- workload: {wl.get('description') or wl.get('name') or ''}; "
          f"{_fmt(wl.get('param_bytes') and wl['param_bytes'] / 1e6, '.1f')} MB of parameters, "
          f"batch {cfg['batch_size']} per worker"),
+        f"- speedups are relative to **{report['baseline_strategy']}**",
     ]
     if base:
-        lines += [
-            (f"- compute {base['compute_s']:.3f} s (forward {base['forward_s']:.3f}, backward "
-             f"{base['backward_s']:.3f}, optimizer {base['optimizer_s']:.3f}; one worker alone "
-             f"{_fmt(base['compute_one_worker_s'])}), under a concurrent all-reduce "
-             f"{base['compute_under_comm_s']:.3f} s"),
-            (f"- comm (all-reduce of all gradients) {base['comm_s']:.3f} s, CPU busy "
-             f"{_fmt(base['comm_cpu_busy'], '.2f')} (workers "
-             f"{_fmt(base['comm_workers_cpu_busy'], '.2f')})"),
-            (f"- lower bound max(compute, comm) {base['lower_bound_s']:.3f} s; no overlap "
-             f"{base['no_overlap_s']:.3f} s; speedup ceiling vs ddp "
-             f"(forward + max(backward, comm) + optimizer) / max(compute, comm) = "
-             f"{base['ceiling_speedup_vs_ddp']:.2f}x"),
-        ]
-    lines += [
-        "",
-        ("| strategy | step s (median) | IQR s | samples/s | speedup vs ddp (ceiling) "
-         "| bubble s | overlap | efficiency | CPU busy (workers) |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        if base["forward_s"] is not None:
+            lines.append(
+                f"- compute {base['compute_s']:.3f} s (forward {base['forward_s']:.3f}, backward "
+                f"{base['backward_s']:.3f}, optimizer {base['optimizer_s']:.3f}; one worker alone "
+                f"{_fmt(base['compute_one_worker_s'])}), under a concurrent all-reduce "
+                f"{_fmt(base['compute_under_comm_s'])} s")
+        else:
+            lines.append(f"- compute (one worker alone) {base['compute_s']:.3f} s")
+        lines.append(
+            f"- comm (all-reduce of all gradients) {base['comm_s']:.3f} s, CPU busy "
+            f"{_fmt(base['comm_cpu_busy'], '.2f')} (workers "
+            f"{_fmt(base['comm_workers_cpu_busy'], '.2f')})")
+        ceiling = ""
+        if base["ceiling_speedup_vs_ddp"] is not None:
+            ceiling = (f"; speedup ceiling vs ddp (forward + max(backward, comm) + optimizer) / "
+                       f"max(compute, comm) = {base['ceiling_speedup_vs_ddp']:.2f}x")
+        lines.append(f"- lower bound max(compute, comm) {base['lower_bound_s']:.3f} s; no overlap "
+                     f"{base['no_overlap_s']:.3f} s{ceiling}")
+    lines += ["", TABLE_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ceiling = base and base["ceiling_speedup_vs_ddp"]
     for r in report["results"]:
         if r["status"] != "ok":
             reason = (r.get("reason") or "").splitlines()[0][:100] if r.get("reason") else ""
-            lines.append(f"| {r['strategy']} | {r['status']}: {reason} |||||||| ")
+            lines.append(f"| {r['strategy']} | {r['status']}: {reason} ||||||||| ")
             continue
-        speed = _fmt(r["speedup_vs_ddp"], ".2f", "x")
+        speed = _fmt(r["speedup_vs_baseline"], ".2f", "x")
         if ceiling:
             speed += f" ({ceiling:.2f}x)"
         busy = (_fmt(r["cpu_busy"], ".2f") + (" (!)" if r["cpu_warning"] else "")
@@ -277,7 +362,8 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['strategy']} | {r['step_time_s']:.3f} | {r['step_time_iqr_s']:.3f} "
             f"| {r['throughput_samples_s']:.1f} | {speed} | {_fmt(r['bubble_s'])} "
-            f"| {_fmt(r['overlap_ratio'], '.2f')} | {_fmt(r['efficiency'], '.2f')} | {busy} |"
+            f"| {_fmt(r['overlap_ratio'], '.2f')} | {_fmt(r['efficiency'], '.2f')} | {busy} "
+            f"| {_fmt(r['pieces_per_step'], '.0f')} |"
         )
     if report["warnings"]:
         lines += ["", "Warnings:"] + [f"- {w}" for w in report["warnings"]]

@@ -1,8 +1,7 @@
-"""Parsing ``--strategies`` (no torch import: the CLI parses before any worker runs)."""
+"""Parsing the workload benchmark's ``--strategies`` (no framework import: the CLI parses before any worker runs)."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static")
@@ -53,22 +52,3 @@ def parse_strategies(text: str) -> list[StrategySpec]:
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"strategy listed twice in {text!r}")
     return specs
-
-
-def unavailable_reason(spec: StrategySpec) -> str | None:
-    """Why ``spec`` cannot run in this environment, or ``None`` if it may.
-
-    Checked by the runner before it starts any worker for the strategy; the
-    workers check again (and report a skip) for failures only an import shows.
-    """
-    if spec.kind == "horovod":
-        if importlib.util.find_spec("horovod") is None:
-            return ("horovod is not installed (import horovod.torch fails); build it with "
-                    "PyTorch and gloo ('make horovod') to include it")
-    elif spec.is_commsched:
-        try:
-            from commsched.plugins.torch import DistributedOptimizer  # noqa: F401
-        except ImportError as exc:
-            return (f"commsched's PyTorch plugin is not importable ({exc}); "
-                    "install commsched with its torch plugin")
-    return None

@@ -5,6 +5,10 @@ one per strategy (a fresh process group each, so a crash or a leftover thread
 of one strategy cannot touch the next). Each phase has a deadline; a worker
 that fails or hangs is killed by pid and the phase is reported as failed,
 and the run goes on with the next strategy.
+
+Framework-free: the worker is a module of a plugin (``worker_module``, run as
+``python -m``) and the plugin says which strategies cannot run here
+(``unavailable``); this module imports neither.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, TextIO
 
 from commsched.bench.netns import Cluster, NetnsCluster
 from commsched.bench.procs import WorkerError, WorkerGroup, free_ports
-from commsched.plugins.torch.bench.spec import StrategySpec, unavailable_reason
+from commsched.bench.spec import StrategySpec
 
 #: Inside a namespace the port space is the run's own: any fixed port is free.
 NETNS_MASTER_PORT = 29500
@@ -109,9 +113,14 @@ class ProgressBar:
 class Runner:
     """Runs the phases of one benchmark on an already-started cluster."""
 
-    def __init__(self, config: RunConfig, cluster: Cluster, work_dir: str,
+    def __init__(self, config: RunConfig, cluster: Cluster, work_dir: str, *, worker_module: str,
+                 unavailable: Callable[[StrategySpec], str | None] = lambda spec: None,
                  log: TextIO = sys.stderr) -> None:
+        """``worker_module`` runs one rank (``--spec PATH --rank R``); ``unavailable(spec)``
+        says why a strategy cannot run in this environment (``None``: it may)."""
         self.config = config
+        self.worker_module = worker_module
+        self.unavailable = unavailable
         self.cluster = cluster
         self.work_dir = work_dir
         self.log = log
@@ -149,8 +158,7 @@ class Runner:
             json.dump(self._spec(run_dir, mode, port, strategy), f, indent=1)
         commands, envs, logs = [], [], []
         for rank, node in enumerate(self.rank_nodes):
-            commands.append(node.wrap([sys.executable, "-m",
-                                       "commsched.plugins.torch.bench.worker",
+            commands.append(node.wrap([sys.executable, "-m", self.worker_module,
                                        "--spec", spec_path, "--rank", str(rank)]))
             envs.append(self._env(rank, node, port))
             logs.append(os.path.join(run_dir, f"rank{rank}.log"))
@@ -200,7 +208,7 @@ class Runner:
         baseline = self.run_phase(0, "baseline", "baseline")
         results = []
         for i, spec in enumerate(self.config.strategies, start=1):
-            reason = unavailable_reason(spec)
+            reason = self.unavailable(spec)
             if reason is not None:
                 self.bar.finish(f"[{i + 1}/{self.bar.total}] {spec.name}: skipped: {reason}")
                 result = PhaseResult(spec.name, "skipped", reason=reason)

@@ -1,0 +1,11 @@
+"""``commsched bench --framework tensorflow``: the framework parts of the benchmark.
+
+Same file names in every plugin: :mod:`.strategies` (what each strategy is and
+how its job starts; ``add_arguments``/``run``), :mod:`.worker` (one worker
+process), :mod:`.workloads` (the model and its data). The harness, the report
+and the table are framework-free, in :mod:`commsched.bench`.
+"""
+
+from commsched.plugins.tensorflow.bench.strategies import add_arguments, main, run
+
+__all__ = ["add_arguments", "main", "run"]
