@@ -34,3 +34,12 @@ def test_unknown_framework_is_a_clear_error(capsys):
         main(["bench", "--framework", "jax", "--json", "x.json"])
     assert exc.value.code == 2
     assert "'jax' is not known" in capsys.readouterr().err
+
+
+def test_help_says_bench_serves_every_framework_and_demo_is_the_quick_benchmark(capsys):
+    assert main([]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    bench = out[out.index("bench "):out.index("demo ")]
+    assert "torch|tensorflow|mxnet" in bench and "needs torch" not in bench
+    demo = out[out.index("demo "):out.index("launch ")]
+    assert "quick benchmark" in demo and "training" not in demo

@@ -177,11 +177,20 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m commsched.plugins.torch.bench``: the same flags as ``commsched bench``."""
-    parser = argparse.ArgumentParser(prog="python -m commsched.plugins.torch.bench",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run(parser.parse_args(argv))
+    return standalone_main("python -m commsched.plugins.torch.bench", __doc__.splitlines()[0],
+                           add_arguments, run, argv, log_level=logging.WARNING,
+                           log_format="%(levelname)s %(name)s: %(message)s")
+
+
+def standalone_main(prog: str, description: str, add: Callable[[argparse.ArgumentParser], None],
+                    run_args: Callable[[argparse.Namespace], int], argv: list[str] | None, *,
+                    log_level: int = logging.INFO, log_format: str = "%(message)s") -> int:
+    """A benchmark's own ``python -m`` entry point: its flags, logging to stderr, its run."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add(parser)
+    logging.basicConfig(level=log_level, format=log_format)
+    return run_args(parser.parse_args(argv))
 
 
 # ---------------------------------------------------------------- MLP benchmarks (TensorFlow, MXNet)

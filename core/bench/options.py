@@ -7,9 +7,9 @@ benchmark an MLP on the same emulated cluster and take the same flags.
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["add_mlp_bench_arguments", "mlp_param_count", "parse_strategy_list"]
+__all__ = ["CLASSES", "INPUTS", "add_mlp_bench_arguments", "mlp_param_count", "mlp_workload", "parse_strategy_list"]
 
 
 def add_mlp_bench_arguments(parser: argparse.ArgumentParser, *, strategies: Sequence[str], default_strategies: str,
@@ -42,7 +42,19 @@ def parse_strategy_list(text: str, allowed: Sequence[str]) -> tuple[list[str], l
     return chosen, sorted(set(chosen) - set(allowed))
 
 
-def mlp_param_count(inputs: int, hidden: int, layers: int, classes: int) -> int:
+#: The MLP benchmarks' model: ``INPUTS`` features to ``CLASSES`` logits.
+INPUTS = 256
+CLASSES = 10
+
+
+def mlp_param_count(hidden: int, layers: int) -> int:
     """Parameters of the benchmarks' MLP: ``layers`` dense layers of width ``hidden``
-    after ``inputs`` features, then a dense layer to ``classes`` logits (weights and biases)."""
-    return inputs * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden * classes + classes
+    after ``INPUTS`` features, then a dense layer to ``CLASSES`` logits (weights and biases)."""
+    return INPUTS * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden * CLASSES + CLASSES
+
+
+def mlp_workload(hidden: int, layers: int) -> dict[str, Any]:
+    """The report's ``workload`` block for the MLP (float32 parameters)."""
+    params = mlp_param_count(hidden, layers)
+    return {"name": "mlp", "description": f"MLP {INPUTS}-{layers}x{hidden}-{CLASSES}, float32",
+            "param_bytes": params * 4, "num_params": params, "layers": None}

@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from commsched.bench.cli import run_strategies
+from commsched.bench.cli import run_strategies, standalone_main
 from commsched.bench.options import add_mlp_bench_arguments
 from commsched.bench.procs import free_ports
 from commsched.plugins.mxnet.bench.workloads import describe
@@ -108,8 +108,4 @@ def _placement(cluster, role: str, index: int) -> tuple[list[str], dict[str, str
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m commsched.plugins.mxnet.bench``: the flags of ``commsched bench --framework mxnet``."""
-    parser = argparse.ArgumentParser(prog="python -m commsched.plugins.mxnet.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run(parser.parse_args(argv))
+    return standalone_main("python -m commsched.plugins.mxnet.bench", __doc__, add_arguments, run, argv)

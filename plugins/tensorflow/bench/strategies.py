@@ -39,7 +39,7 @@ import os
 import sys
 from pathlib import Path
 
-from commsched.bench.cli import run_strategies
+from commsched.bench.cli import run_strategies, standalone_main
 from commsched.bench.options import add_mlp_bench_arguments
 from commsched.bench.procs import WorkerError, WorkerGroup, free_ports
 from commsched.plugins.tensorflow.bench.workloads import describe
@@ -128,8 +128,4 @@ def _run_strategy(cluster, strategy: str, workers: int, spec: dict, timeout: flo
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m commsched.plugins.tensorflow.bench``: the flags of ``commsched bench --framework tensorflow``."""
-    parser = argparse.ArgumentParser(prog="python -m commsched.plugins.tensorflow.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run(parser.parse_args(argv))
+    return standalone_main("python -m commsched.plugins.tensorflow.bench", __doc__, add_arguments, run, argv)

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from commsched.bench.options import mlp_param_count
+from commsched.bench.options import CLASSES, INPUTS, mlp_workload
 
-INPUTS = 256
-CLASSES = 10
+__all__ = ["CLASSES", "INPUTS", "build_model", "describe"]
 
-
-def describe(hidden: int, layers: int) -> dict[str, Any]:
-    """The report's ``workload`` block (no TensorFlow import)."""
-    params = mlp_param_count(INPUTS, hidden, layers, CLASSES)
-    return {"name": "mlp", "description": f"MLP {INPUTS}-{layers}x{hidden}-{CLASSES}, float32",
-            "param_bytes": params * 4, "num_params": params, "layers": None}
+#: The report's ``workload`` block (no framework import).
+describe = mlp_workload
 
 
 def build_model(hidden: int, layers: int) -> Any:
