@@ -125,7 +125,7 @@ def _worker(spec_path: str) -> int:
             ready.append(time.perf_counter())
     intervals = [(b - a) / per_call for a, b in zip(ready[:-1], ready[1:], strict=True)]
     result = {"step_times_s": intervals, "world": world, "unroll": per_call}
-    reducer = getattr(opt, "_commsched", None)
+    reducer = getattr(opt, "commsched", None)  # the wrapped optimizer's declared GradientReducer
     if reducer is not None and reducer.plans:
         result["pieces_per_step"] = len(reducer.plans[-1].pieces)
     if rank == 0:
