@@ -9,20 +9,28 @@ script can import it too. Keep it framework-free: core tests import it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from commsched.bench.procs import free_ports
 
-__all__ = ["TESTS", "REPO", "commsched_threads", "free_port", "free_ports", "run_workers", "worker_env"]
+__all__ = ["TESTS", "REPO", "commsched_threads", "free_port", "free_ports", "Finished", "horovod_or_skip", "horovodrun",
+           "run_workers", "worker_env"]
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
+_MARKER_POLL_S = 0.1  # how often run_workers looks for a worker's marker files
+HOROVODRUN = Path(sys.executable).with_name("horovodrun")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,37 +51,102 @@ def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+class Finished(subprocess.CompletedProcess):
+    """A worker that exited: ``returncode``, ``stdout`` (its log) and ``exit_s``, the seconds from
+    its last marker file's write to its exit (None without markers)."""
+
+    def __init__(self, args: Any, returncode: int, stdout: str, exit_s: float | None) -> None:
+        super().__init__(args, returncode, stdout, "")
+        self.exit_s = exit_s
+
+
 def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], logs: Sequence[Path], *,
-                timeout: float, cwd: Path | None = None) -> list[subprocess.CompletedProcess]:
+                timeout: float, cwd: Path | None = None, markers: Sequence[Sequence[Path]] | None = None,
+                exit_within: float | None = None) -> list[Finished]:
     """Run one process per command (each in its own session, output to its log); return them once all exited.
 
     Raises ``TimeoutError`` naming the running workers, with every log's tail, if
-    they are not all done within ``timeout`` seconds. Whatever the outcome, a
-    worker still running is killed with its session (by the worker's pid, which
-    is its session id: only processes it started).
+    they are not all done within ``timeout`` seconds. With ``markers`` (per worker,
+    the files its program writes when its main code returned) and ``exit_within``,
+    a worker must also exit within ``exit_within`` seconds of writing the last of
+    its markers, else ``TimeoutError``: that is how a test proves interpreter exit
+    does not hang. Whatever the outcome, a worker still running is killed with its
+    session (by the worker's pid, which is its session id: only processes it started).
     """
+    if (markers is None) != (exit_within is None):
+        raise ValueError("markers and exit_within go together")
     procs: list[subprocess.Popen] = []
+    exit_s: list[float | None] = [None] * len(commands)
     try:
         for argv, env, log in zip(commands, envs, logs, strict=True):
             with open(log, "wb") as out:
                 procs.append(subprocess.Popen(list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True))
         deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                running = [r for r, p in enumerate(procs) if p.poll() is None]
-                raise TimeoutError(f"workers {running} still running after {timeout:.0f} s (a hang); logs:\n"
-                                   + _tails(logs)) from None
-        return [subprocess.CompletedProcess(p.args, p.returncode, Path(log).read_text(errors="replace"), "")
-                for p, log in zip(procs, logs, strict=True)]
+        for rank, proc in enumerate(procs):
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    proc.wait(timeout=max(0.01, min(left, _MARKER_POLL_S if markers else left)))
+                except subprocess.TimeoutExpired:
+                    pass
+                returned = _marked(markers[rank]) if markers else None
+                if proc.returncode is not None:
+                    if returned is not None:
+                        exit_s[rank] = time.time() - returned
+                    break
+                if returned is not None and time.time() - returned > exit_within:
+                    raise TimeoutError(f"worker {rank} still running {exit_within:.0f} s after its main code "
+                                       "returned (exit hangs); logs:\n" + _tails(logs))
+                if time.monotonic() > deadline:
+                    running = [r for r, p in enumerate(procs) if p.poll() is None]
+                    raise TimeoutError(f"workers {running} still running after {timeout:.0f} s (a hang); logs:\n"
+                                       + _tails(logs))
+        return [Finished(p.args, p.returncode, Path(log).read_text(errors="replace"), exit_s[rank])
+                for rank, (p, log) in enumerate(zip(procs, logs, strict=True))]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+def _marked(paths: Sequence[Path]) -> float | None:
+    """When the last of ``paths`` was written (wall clock), or None while one is missing."""
+    try:
+        return max(Path(p).stat().st_mtime for p in paths)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _horovod_problem(framework: str) -> str | None:
+    code = f"import horovod.{framework} as hvd; hvd.init(); hvd.shutdown()"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env=worker_env({"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}))
+    if probe.returncode != 0:
+        return (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    return None
+
+
+def horovod_or_skip(framework: str) -> None:
+    """Skip the test unless ``horovod.<framework>`` imports and initialises here (under ``CI=true``: fail).
+
+    Checked once per framework, in a subprocess (Horovod loads a C library that may abort).
+    """
+    why = _horovod_problem(framework)
+    if why is not None:
+        message = (f"horovod.{framework} is not usable here ({why}); `make horovod` builds Horovod 0.28.1 with "
+                   "PyTorch, TensorFlow and MXNet support")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def horovodrun(np: int, *argv: str) -> list[str]:
+    """The command that runs ``python argv...`` on ``np`` local Horovod ranks over gloo."""
+    return [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, *argv]
 
 
 def _tails(logs: Sequence[Path], chars: int = 3000) -> str:

@@ -1,22 +1,36 @@
-"""Collective engines for the torch plugin.
+"""Collective engines for the torch plugin: torch.distributed (default) and Horovod.
 
-``TorchBackend`` runs each piece as an asynchronous ``torch.distributed.all_reduce``
-on the user's process group (gloo on CPU, NCCL on GPU). ``C10dStore`` adapts the
-process group's rendezvous store to :class:`commsched.store.Store` for order agreement.
+* :class:`TorchBackend` runs each piece as an asynchronous ``torch.distributed.all_reduce``
+  on a process group of its own (gloo on CPU, NCCL on GPU); :class:`C10dStore` adapts
+  the process group's rendezvous store to :class:`commsched.store.Store` for order agreement.
+* :class:`HorovodBackend` (``backend="horovod"``) runs each piece as
+  ``hvd.allreduce_async_``. Horovod matches operations across ranks by name through
+  its rank-0 coordinator, so ranks may issue pieces in different orders: only rank 0
+  paces by priority and credit, the other ranks issue each piece as soon as it is
+  ready (``negotiates_order = True``). Pieces keep stable, unique names
+  (``commsched.<parameter>#<piece>``). Horovod's tensor fusion may merge pieces that
+  are ready in the same cycle (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``);
+  see docs/horovod.md for how that interacts with partition and credit.
+
+Both offer ``broadcast(tensor, root)`` and ``broadcast_object(obj, root)`` for the
+optimizer's initial broadcast, and an idempotent ``close()`` that the scheduler calls.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from commsched.errors import CommschedError
+from commsched.errors import CommschedError, HorovodUnavailable
 
-__all__ = ["C10dStore", "TorchBackend", "default_store", "make_backend"]
+__all__ = ["BACKENDS", "C10dStore", "HorovodBackend", "TorchBackend", "default_store", "make_backend"]
+
+BACKENDS = ("torch", "horovod")
 
 
 class C10dStore:
@@ -80,8 +94,9 @@ class TorchBackend:
     """Pieces as asynchronous sum all-reduces on a torch.distributed process group.
 
     On CUDA tensors the all-reduce is issued on a dedicated stream that first waits
-    for the event recorded when the gradient was ready (``ready_event`` on the
-    task), so communication never waits for unrelated compute.
+    for the event recorded when the gradient was ready (``piece.task.ready``), so
+    communication never waits for unrelated compute; the work handle goes to
+    ``piece.task.handles`` so the plugin can order its own stream after it.
     """
 
     negotiates_order = False
@@ -119,12 +134,11 @@ class TorchBackend:
         view = piece.view
         if view.is_cuda:
             stream = self._stream(view.device)
-            event = getattr(piece.task.tensor, "_commsched_ready_event", None)
-            if event is not None:
-                stream.wait_event(event)
+            if piece.task.ready is not None:
+                stream.wait_event(piece.task.ready)
             with torch.cuda.stream(stream):
                 work = dist.all_reduce(view, group=self.group, async_op=True)
-            piece.task.__dict__.setdefault("works", []).append(work)  # waited on before the update
+            piece.task.handles.append(work)  # waited on before the update
         else:
             work = dist.all_reduce(view, group=self.group, async_op=True)
 
@@ -138,21 +152,123 @@ class TorchBackend:
 
         work.get_future().add_done_callback(finished)
 
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Overwrite ``tensor`` with rank ``root``'s, in place, on our group."""
+        dist.broadcast(tensor, root, group=self._open_group())
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Rank ``root``'s ``obj`` (picklable), on every rank."""
+        payload = [obj]
+        dist.broadcast_object_list(payload, root, group=self._open_group())
+        return payload[0]
+
+    def _open_group(self) -> "dist.ProcessGroup":
+        if self.group is None:
+            raise CommschedError("this torch backend is closed; create a new DistributedOptimizer")
+        return self.group
 
     def close(self) -> None:
         """Drop our reference to the process group, so it is destroyed with the
         user's ``destroy_process_group()`` and not during interpreter teardown
-        (where gloo's threads can abort the process)."""
+        (where gloo's threads can abort the process). Idempotent."""
         self.group = None
         self._streams.clear()
 
 
-def make_backend(name: str, group: Optional["dist.ProcessGroup"] = None):
-    """The backend called ``name`` ("torch" or "horovod")."""
+def _import_horovod() -> Any:
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise HorovodUnavailable(
+            "backend='horovod' needs Horovod built with PyTorch support (horovod.torch); in the commsched "
+            "repository `make horovod` builds and caches a patched Horovod 0.28.1 wheel, elsewhere install one "
+            f"with HOROVOD_WITH_PYTORCH=1 (or use backend='torch'). Import failed: {exc}") from exc
+    return hvd
+
+
+class HorovodBackend:
+    """Pieces as ``hvd.allreduce_async_`` sums; a named waiter thread reports completions.
+
+    The waiter thread is non-daemon and stops in :meth:`close` (which the scheduler
+    calls, also at interpreter exit for a scheduler nobody closed); close waits at
+    most ``timeout_s`` (the config's) for handles still in flight, since a dead
+    peer's may never complete.
+    """
+
+    negotiates_order = True
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = float(timeout_s)
+        hvd = _import_horovod()
+        if not hvd.is_initialized():
+            hvd.init()
+        self._hvd = hvd
+        self.rank = hvd.rank()
+        self.world_size = hvd.size()
+        self._handles: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._broadcasts = 0
+        self._thread = threading.Thread(target=self._wait_loop, name=f"commsched-horovod-r{self.rank}", daemon=False)
+        self._thread.start()
+
+    def start(self, piece: Any, done: Callable[[Optional[BaseException]], None]) -> None:
+        if not self._hvd.is_initialized():
+            raise CommschedError("Horovod was shut down while commsched still had pieces to reduce; call "
+                                 "opt.synchronize() and opt.close() before hvd.shutdown()")
+        handle = self._hvd.allreduce_async_(piece.view, name=f"commsched.{piece.name}", op=self._hvd.Sum)
+        with self._cv:
+            if self._closing:
+                raise CommschedError("this Horovod backend is closed; create a new DistributedOptimizer")
+            self._handles.append((handle, done))
+            self._cv.notify()
+
+    def _wait_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._handles and not self._closing:
+                    self._cv.wait()
+                if not self._handles:
+                    return
+                handle, done = self._handles.popleft()
+            try:
+                self._hvd.synchronize(handle)
+            except BaseException as exc:  # Horovod reports a dead peer or shutdown here
+                done(exc)
+            else:
+                done(None)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Overwrite ``tensor`` with rank ``root``'s, in place (``hvd.broadcast_``)."""
+        self._hvd.broadcast_(tensor, root, name=f"commsched.broadcast.{self._broadcasts}")
+        self._broadcasts += 1
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Rank ``root``'s ``obj`` (picklable), on every rank."""
+        # An explicit name: Horovod's default is the object's type name, which differs
+        # between the root (a dict) and the others (None) and deadlocks.
+        return self._hvd.broadcast_object(obj, root, name="commsched.broadcast_object")
+
+    def close(self) -> None:
+        """Stop the waiter thread once every handle it holds has completed. Idempotent."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(timeout=self.timeout_s)
+        if self._thread.is_alive():
+            raise CommschedError(f"Horovod did not complete the pieces in flight within {self.timeout_s:.0f} s of "
+                                 f"close(); the waiter thread {self._thread.name} is still blocked in Horovod")
+
+
+def make_backend(name: str, group: Optional["dist.ProcessGroup"] = None,
+                 timeout_s: float = 30.0) -> "TorchBackend | HorovodBackend":
+    """The backend called ``name`` (one of :data:`BACKENDS`); ``timeout_s`` bounds Horovod's close."""
     if name == "torch":
         return TorchBackend(group)
     if name == "horovod":
-        from commsched.plugins.torch.horovod import HorovodBackend
-
-        return HorovodBackend()
-    raise ValueError(f"backend={name!r} is not known; use 'torch' (torch.distributed: gloo or NCCL) or 'horovod'")
+        if group is not None:
+            raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "
+                             "Horovod ranks (leave process_group=None)")
+        return HorovodBackend(timeout_s)
+    raise ValueError(f"backend={name!r} is not a torch backend; use 'torch' (torch.distributed: gloo or NCCL) "
+                     "or 'horovod'")

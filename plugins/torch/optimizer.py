@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.config import SchedulerConfig, read_environment
-from commsched.errors import CommschedError
+from commsched.errors import CommschedError, SchedulerClosed
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
 from commsched.plugins.torch.backends import default_store, make_backend
@@ -90,8 +90,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             Adam, AdamW, RMSprop, Adagrad, ...); its class and hyperparameters do
             the updates.
         model: the module whose forward uses the parameters (hooks go on it).
-        backend: ``"torch"`` (the default process group: gloo or NCCL) or ``"horovod"``.
         config: a :class:`commsched.SchedulerConfig` (default: from ``COMMSCHED_*``).
+        backend: ``"torch"`` (the default process group: gloo or NCCL) or ``"horovod"``
+            (raises :class:`commsched.errors.HorovodUnavailable` without Horovod).
         broadcast: broadcast parameters, buffers and optimizer state from rank 0 now.
         backward_passes_per_step: reduce only every k-th backward (gradient accumulation).
         process_group: a torch.distributed group other than the default one.
@@ -99,10 +100,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Guarantees: after ``synchronize()`` every parameter equals what plain synchronous
     training gives (all-reduce, divide by world size, ``optimizer.step()``) — bitwise
     on 2 ranks with a deterministic engine; every gradient is reduced once.
+    :meth:`close` (or leaving a ``with`` block) applies what is pending and stops the
+    threads; a closed optimizer raises :class:`commsched.SchedulerClosed` when used.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, backend: str = "torch",
-                 config: SchedulerConfig | None = None, *, broadcast: bool = True,
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                 config: SchedulerConfig | None = None, *, backend: str = "torch", broadcast: bool = True,
                  backward_passes_per_step: int = 1, process_group: Optional["dist.ProcessGroup"] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer instance (e.g. "
@@ -133,12 +136,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._cross = self.config.cross_iteration
 
-        self._backend = make_backend(backend, process_group)
+        self._backend = make_backend(backend, process_group, self.config.timeout_s)
         self.rank = self._backend.rank
         self.world_size = self._backend.world_size
         store = None
         needs_store = (self.world_size > 1 and self.config.ordering != "fifo"
-                       and not getattr(self._backend, "negotiates_order", False))
+                       and not self._backend.negotiates_order)
         if needs_store:
             store = default_store()
         self._scheduler = Scheduler(self._backend, TorchOps(), self.config, store=store,
@@ -197,17 +200,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _broadcast_from_rank0(self) -> None:
         with torch.no_grad():
             for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
-                if getattr(self._backend, "broadcast", None) is not None:
-                    self._backend.broadcast(tensor, 0)
-                else:
-                    dist.broadcast(tensor, 0, group=self._backend.group)
-        payload = [self.optimizer.state_dict() if self.rank == 0 else None]
-        if getattr(self._backend, "broadcast_object", None) is not None:
-            payload = [self._backend.broadcast_object(payload[0], 0)]
-        else:
-            dist.broadcast_object_list(payload, 0, group=self._backend.group)
-        if self.rank != 0 and payload[0] is not None and payload[0].get("state"):
-            self.optimizer.load_state_dict(payload[0])
+                self._backend.broadcast(tensor, 0)
+        state = self._backend.broadcast_object(self.optimizer.state_dict() if self.rank == 0 else None, 0)
+        if self.rank != 0 and state is not None and state.get("state"):
+            self.optimizer.load_state_dict(state)
 
     # ----------------------------------------------------------------- hooks
     def _make_grad_hook(self, state: _ParamState) -> Callable[[torch.Tensor], None]:
@@ -235,16 +231,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buffer = grad if grad.is_contiguous() else grad.contiguous()
         state.copy_back = grad if buffer is not grad else None
         state.grad = buffer
+        ready = None
         if buffer.is_cuda:  # readiness: the engine's stream waits for this point of the compute stream
-            event = torch.cuda.Event()
-            event.record()
-            buffer._commsched_ready_event = event  # read by TorchBackend.start
-        state.future = self._scheduler.submit(state.name, buffer, state.priority, on_done=self._after_reduce)
+            ready = torch.cuda.Event()
+            ready.record()
+        state.future = self._scheduler.submit(state.name, buffer, state.priority, on_done=self._after_reduce,
+                                              ready=ready)
 
     def _after_reduce(self, task: Task) -> None:
         # Completion thread: average. The tensor is owned by us (cross-iteration) or
         # not read by the user before synchronize() (synchronous path).
-        for work in getattr(task, "works", ()):  # CUDA: order this stream after the engine's
+        for work in task.handles:  # CUDA: order this stream after the engine's
             work.wait()
         task.tensor.div_(self.world_size)
 
@@ -314,8 +311,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """End the step. Cross-iteration: returns at once (updates happen in the next
         forward or in :meth:`synchronize`). Synchronous: waits for the reductions and
         runs the wrapped optimizer's ``step(closure)``."""
-        if self._closed:
-            raise CommschedError("this DistributedOptimizer is closed")
+        self._check_open()
         if self._cross and closure is not None:
             raise ValueError("step(closure) needs all gradients at once; create the DistributedOptimizer with "
                              "SchedulerConfig(cross_iteration=False) to use a closure")
@@ -351,9 +347,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait until every gradient submitted so far is reduced and (cross-iteration) applied.
 
         Call before evaluation, checkpointing, reading ``p.grad`` (synchronous path)
-        or exit. Raises :class:`commsched.CommschedTimeout` instead of hanging."""
-        if self._closed:
-            return
+        or exit. Raises :class:`commsched.CommschedTimeout` instead of hanging, and
+        :class:`commsched.SchedulerClosed` after :meth:`close` (which synchronized already)."""
+        self._check_open()
         self._scheduler.synchronize(timeout)
         self._ready(self._params, "synchronize")
 
@@ -373,8 +369,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``state_dict()`` (same format), after :meth:`synchronize`."""
-        self.synchronize()
+        """The wrapped optimizer's ``state_dict()`` (same format), after :meth:`synchronize`
+        (after :meth:`close`: the final state, which close applied)."""
+        if not self._closed:
+            self.synchronize()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -408,23 +406,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
 
     def close(self) -> None:
-        """Apply what is pending, stop the scheduler's threads, remove the hooks. Idempotent."""
+        """Apply what is pending, remove the hooks, close the scheduler (which closes the
+        backend). Idempotent."""
         if self._closed:
             return
         try:
-            if self._scheduler._error is None:  # noqa: SLF001
+            if self._scheduler.error is None:
                 self.synchronize()
         finally:
             self._closed = True
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
-            try:
-                self._scheduler.close()
-            finally:
-                close_backend = getattr(self._backend, "close", None)
-                if close_backend is not None:
-                    close_backend()
+            self._scheduler.close()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SchedulerClosed("this DistributedOptimizer is closed; create a new one to train further")
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({self.optimizer!r}, ordering={self.config.ordering!r}, "

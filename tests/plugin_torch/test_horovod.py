@@ -8,29 +8,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import REPO, horovod_or_skip, horovodrun as horovodrun_command
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-HOROVODRUN = Path(sys.executable).with_name("horovodrun")
-
-
-def horovod_or_skip() -> None:
-    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        message = f"Horovod with PyTorch support is not installed (run `make horovod`): {probe.stderr[-300:]}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def horovodrun(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    horovod_or_skip()
-    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    horovod_or_skip("torch")
+    return subprocess.run(horovodrun_command(2, *args), capture_output=True, text=True, timeout=timeout, cwd=REPO,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -65,6 +54,6 @@ def test_a_rank_that_exits_mid_training_fails_the_other_with_a_commsched_error(t
 
 @pytest.mark.timeout(200)
 def test_horovod_example_runs_under_horovodrun():
-    proc = horovodrun(str(ROOT / "examples" / "horovod_train.py"), "--steps", "5", "--width", "64")
+    proc = horovodrun(str(REPO / "examples" / "horovod_train.py"), "--steps", "5", "--width", "64")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "horovod x2: final loss" in proc.stdout
