@@ -24,6 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from commsched.errors import HorovodUnavailable
 from commsched.plugins.tensorflow import keys
 
 __all__ = ["BACKENDS", "CollectiveBackend", "HorovodBackend", "ReplicaGroup", "make_backend", "replica_group"]
@@ -110,9 +111,10 @@ class CollectiveBackend:
 class HorovodBackend:
     """``horovod.tensorflow.allreduce`` per piece; Horovod agrees on order by tensor name.
 
-    Needs a Horovod wheel built with TensorFlow (see ENVIRONMENT.md) and
-    ``hvd.init()`` before the first step; run under ``horovodrun`` without a
-    ``tf.distribute`` strategy.
+    Needs a Horovod wheel built with TensorFlow (``HOROVOD_WITH_TENSORFLOW=1``; in the
+    commsched repository ``make horovod``) and ``hvd.init()`` before the first step;
+    run under ``horovodrun`` without a ``tf.distribute`` strategy. Without Horovod,
+    construction raises :class:`commsched.errors.HorovodUnavailable`.
     """
 
     name = "horovod"
@@ -122,9 +124,10 @@ class HorovodBackend:
         try:
             import horovod.tensorflow as hvd
         except ImportError as exc:
-            raise ImportError(
-                "backend='horovod' needs horovod.tensorflow, a Horovod wheel built with TensorFlow "
-                "(HOROVOD_WITH_TENSORFLOW=1; see ENVIRONMENT.md), or use backend='collective'") from exc
+            raise HorovodUnavailable(
+                "backend='horovod' needs horovod.tensorflow, a Horovod wheel built with TensorFlow support; in the "
+                "commsched repository `make horovod` builds one, elsewhere install Horovod with "
+                f"HOROVOD_WITH_TENSORFLOW=1 (or use backend='collective'). Import failed: {exc}") from exc
         self._hvd = hvd
         self.timeout_s = float(timeout_s)
 

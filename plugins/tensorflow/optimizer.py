@@ -56,7 +56,11 @@ def DistributedOptimizer(optimizer: Any, config: SchedulerConfig | None = None, 
         backend: ``"collective"`` (TF collective ops, default) or ``"horovod"``.
 
     Returns an optimizer of a subclass of ``type(optimizer)``, with the same
-    configuration, that sums gradients across workers with commsched.
+    configuration, that sums gradients across workers with commsched. It is a
+    context manager; ``close()`` (or leaving the ``with`` block) makes later
+    ``apply_gradients`` traces raise :class:`commsched.SchedulerClosed`.
+    ``opt.commsched`` is the :class:`~commsched.plugins.tensorflow.reduction.GradientReducer`
+    (its ``plans``, ``slots`` and ``config``).
     """
     family = _family(type(optimizer))
     if _is_built(optimizer):
@@ -66,7 +70,7 @@ def DistributedOptimizer(optimizer: Any, config: SchedulerConfig | None = None, 
     reducer = GradientReducer(config, backend=backend, op="sum")
     cls = _distributed_class(type(optimizer), family)
     wrapped = cls.from_config(optimizer.get_config())
-    wrapped._commsched = reducer  # noqa: SLF001 (our own attribute on our own subclass)
+    wrapped.commsched = reducer
     return wrapped
 
 
@@ -111,7 +115,8 @@ def _distributed_class(base: type, family: str) -> type:
     cls = _classes.get(base)
     if cls is None:
         hook = _Keras3Hook if family == "keras3" else _TfKerasHook
-        namespace = {k: v for k, v in vars(hook).items() if k not in ("__dict__", "__weakref__")}
+        namespace = {k: v for c in (_Lifecycle, hook) for k, v in vars(c).items()
+                     if k not in ("__dict__", "__weakref__")}
         namespace["__module__"] = base.__module__
         namespace["__qualname__"] = base.__qualname__
         namespace["__doc__"] = (base.__doc__ or "") + "\n\n(Gradient all-reduce scheduled by commsched.)"
@@ -119,15 +124,29 @@ def _distributed_class(base: type, family: str) -> type:
     return cls
 
 
-class _Keras3Hook:
+class _Lifecycle:
+    """Methods both subclasses have: ``close()`` and the context manager."""
+
+    def close(self) -> None:
+        """Refuse further gradient reductions (:class:`commsched.SchedulerClosed`). Idempotent."""
+        self.commsched.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class _Keras3Hook(_Lifecycle):
     """Methods of the Keras 3 subclass."""
 
     def _all_reduce_sum_gradients(self, grads_and_vars):  # Keras 3 TFOptimizer hook
-        return self._commsched.reduce_grads_and_vars(grads_and_vars)
+        return self.commsched.reduce_grads_and_vars(grads_and_vars)
 
 
-class _TfKerasHook:
+class _TfKerasHook(_Lifecycle):
     """Methods of the tf-keras subclass."""
 
     def aggregate_gradients(self, grads_and_vars):  # tf-keras public hook
-        return self._commsched.reduce_grads_and_vars(grads_and_vars)
+        return self.commsched.reduce_grads_and_vars(grads_and_vars)

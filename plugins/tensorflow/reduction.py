@@ -34,12 +34,13 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from commsched.config import SchedulerConfig
+from commsched.errors import SchedulerClosed
 from commsched.planner import Plan, PlanTensor, backward_ready_times, plan
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
 from commsched.plugins.tensorflow.tensor_ops import check_gradient, dense, join_pieces
 from commsched.timeline import Timeline
 
-__all__ = ["GradientReducer", "OPS", "is_reduced", "mark_reduced", "slots_for"]
+__all__ = ["GradientReducer", "OPS", "is_reduced", "mark_reduced", "slots_for", "variable_name"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class GradientReducer:
         op: ``"sum"`` or ``"mean"`` across replicas.
 
     ``plans`` keeps the plan of every trace (the newest last), for inspection.
+    After :meth:`close`, :meth:`reduce` raises :class:`commsched.SchedulerClosed`
+    (a ``tf.function`` traced before keeps the reduction ops it already holds).
     """
 
     def __init__(self, config: SchedulerConfig | None = None, backend: str = "collective", op: str = "sum") -> None:
@@ -90,7 +93,13 @@ class GradientReducer:
         self.op = op
         self.slots = slots_for(self.config)
         self.plans: list[Plan] = []
+        self.closed = False
         self._traces = 0
+
+    def close(self) -> None:
+        """Refuse further reductions. Idempotent. (TF's collectives hold no thread or
+        connection of commsched's that would outlive the step.)"""
+        self.closed = True
 
     # ------------------------------------------------------------------ API
     def reduce(self, grads: Sequence[Any], names: Sequence[str] | None = None) -> list[Any]:
@@ -101,8 +110,10 @@ class GradientReducer:
         commsched pass through unchanged. In a cross-replica context, or with a
         single replica, nothing is communicated.
         """
+        if self.closed:
+            raise SchedulerClosed("this commsched optimizer or tape is closed; wrap a new one to train further")
         grads = list(grads)
-        names = list(names) if names is not None else [f"grad{i}" for i in range(len(grads))]
+        names = list(names) if names is not None else [variable_name(None, i) for i in range(len(grads))]
         if len(names) != len(grads):
             raise ValueError(f"got {len(grads)} gradients but {len(names)} names")
         group = self._group()
@@ -133,7 +144,7 @@ class GradientReducer:
     def reduce_grads_and_vars(self, grads_and_vars: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
         """:meth:`reduce` for ``(gradient, variable)`` pairs, naming pieces after the variables."""
         pairs = list(grads_and_vars)
-        names = [_variable_name(v, i) for i, (_, v) in enumerate(pairs)]
+        names = [variable_name(v, i) for i, (_, v) in enumerate(pairs)]
         reduced = self.reduce([g for g, _ in pairs], names)
         return [(g, v) for g, (_, v) in zip(reduced, pairs, strict=True)]
 
@@ -194,6 +205,9 @@ class GradientReducer:
             log.warning("could not write the commsched timeline to %s: %s", timeline.path, exc)
 
 
-def _variable_name(variable: Any, index: int) -> str:
+def variable_name(variable: Any, index: int) -> str:
+    """The name of the ``index``-th gradient's pieces: ``"<index>:<variable path or name>"``
+    (``"grad<index>"`` for a variable without either). The index keeps names unique
+    when two variables share a name; the name makes timelines readable."""
     name = getattr(variable, "path", None) or getattr(variable, "name", None)
     return f"{index}:{name}" if name else f"grad{index}"

@@ -27,7 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from commsched.config import SchedulerConfig
-from commsched.plugins.tensorflow.reduction import GradientReducer
+from commsched.plugins.tensorflow.reduction import GradientReducer, variable_name
 
 __all__ = ["DistributedGradientTape"]
 
@@ -49,7 +49,11 @@ def DistributedGradientTape(tape: tf.GradientTape, config: SchedulerConfig | Non
 
     Returns a tape of a subclass of ``type(tape)`` sharing its recorded state.
     ``gradient(target, sources)`` lists ``sources`` in forward-use order for the best
-    schedule (``model.trainable_variables`` does).
+    schedule (``model.trainable_variables`` does). ``close()`` makes later
+    ``gradient()`` calls raise :class:`commsched.SchedulerClosed`; the tape's ``with``
+    block stays ``tf.GradientTape``'s (it records; ``gradient()`` comes after it).
+    ``tape.commsched`` is the :class:`~commsched.plugins.tensorflow.reduction.GradientReducer`
+    (its ``plans``, ``slots`` and ``config``).
     """
     if not isinstance(tape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}; "
@@ -57,21 +61,31 @@ def DistributedGradientTape(tape: tf.GradientTape, config: SchedulerConfig | Non
     reducer = GradientReducer(config, backend=backend, op=op)
     cls = _classes.get(type(tape))
     if cls is None:
-        cls = _classes[type(tape)] = type(type(tape).__name__, (type(tape),), {
-            "__module__": __name__, "gradient": _gradient, "__doc__": __doc__})
+        cls = _classes[type(tape)] = _tape_class(type(tape))
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(tape.__dict__)  # the same recording: GradientTape keeps it in attributes
-    wrapped._commsched = reducer
+    wrapped.commsched = reducer
     return wrapped
 
 
-def _gradient(self: Any, target: Any, sources: Any, output_gradients: Any = None,
-              unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE) -> Any:
-    """Gradients of ``target`` w.r.t. ``sources``, reduced across workers (see the module docstring)."""
-    grads = super(type(self), self).gradient(target, sources, output_gradients=output_gradients,
-                                             unconnected_gradients=unconnected_gradients)
-    flat_sources = tf.nest.flatten(sources)
-    flat = tf.nest.flatten(grads)
-    names = [f"{i}:{getattr(s, 'path', None) or getattr(s, 'name', 'grad')}" for i, s in enumerate(flat_sources)]
-    reduced = self._commsched.reduce(flat, names)
-    return tf.nest.pack_sequence_as(grads, reduced)
+def _tape_class(base: type) -> type:
+    """The subclass of ``base`` whose ``gradient`` reduces; it calls ``base.gradient``
+    by name (not ``super(type(self), self)``, which recurses forever in a subclass)."""
+
+    def gradient(self: Any, target: Any, sources: Any, output_gradients: Any = None,
+                 unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE) -> Any:
+        """Gradients of ``target`` w.r.t. ``sources``, reduced across workers (see the module docstring)."""
+        if self.commsched.closed:
+            self.commsched.reduce([], [])  # raises SchedulerClosed, before the tape is consumed
+        grads = base.gradient(self, target, sources, output_gradients=output_gradients,
+                              unconnected_gradients=unconnected_gradients)
+        flat = tf.nest.flatten(grads)
+        names = [variable_name(s, i) for i, s in enumerate(tf.nest.flatten(sources))]
+        return tf.nest.pack_sequence_as(grads, self.commsched.reduce(flat, names))
+
+    def close(self: Any) -> None:
+        """Refuse further ``gradient()`` calls (:class:`commsched.SchedulerClosed`). Idempotent."""
+        self.commsched.close()
+
+    return type(base.__name__, (base,), {"__module__": __name__, "__doc__": __doc__, "gradient": gradient,
+                                         "close": close})

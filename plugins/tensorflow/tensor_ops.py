@@ -1,4 +1,4 @@
-"""Tensor operations the core's partitioning needs, for TensorFlow tensors.
+"""Tensor operations of the TensorFlow plugin's reduction: densify, check, reassemble.
 
 TensorFlow tensors are immutable values, so a piece is a slice of the flattened
 gradient (inside a graph the runtime may alias or copy it; there is no in-place
@@ -11,25 +11,9 @@ from typing import Sequence
 
 import tensorflow as tf
 
-__all__ = ["TensorFlowOps", "check_gradient", "dense", "join_pieces"]
+__all__ = ["check_gradient", "dense", "join_pieces"]
 
 _SUPPORTED = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-
-
-class TensorFlowOps:
-    """:class:`commsched.partition.TensorOps` for TensorFlow tensors of fully known shape."""
-
-    def numel(self, tensor: tf.Tensor) -> int:
-        return int(tensor.shape.num_elements())
-
-    def element_size(self, tensor: tf.Tensor) -> int:
-        return int(tensor.dtype.size)
-
-    def flat_view(self, tensor: tf.Tensor, start: int, stop: int) -> tf.Tensor:
-        flat = tf.reshape(tensor, [-1])
-        if start == 0 and stop == int(tensor.shape.num_elements()):
-            return flat
-        return flat[start:stop]
 
 
 def dense(grad: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:

@@ -65,7 +65,7 @@ def main():
     result["max_abs_diff"] = float(max(np.max(np.abs(a - b)) for a, b in
                                        zip(ref.get_weights(), ours.get_weights(), strict=True)))
     result["iterations"] = int(opt.iterations.numpy())
-    result["pieces"] = len(opt._commsched.plans[-1].pieces)
+    result["pieces"] = len(opt.commsched.plans[-1].pieces)
     graph = step.get_concrete_function(*data(0)).graph
     hvd_ops = [op for op in graph.get_operations() if op.type == "HorovodAllreduce"]
     result["hvd_ops"] = len(hvd_ops)

@@ -6,16 +6,24 @@ Collectives with a group of one run locally, so the graph that commsched writes
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
 import commsched  # noqa: E402
+from commsched.errors import HorovodUnavailable, SchedulerClosed  # noqa: E402
 from commsched.plugins.tensorflow import DistributedGradientTape, DistributedOptimizer, unroll  # noqa: E402
 from commsched.plugins.tensorflow import keys  # noqa: E402
 from commsched.plugins.tensorflow.backends import ReplicaGroup  # noqa: E402
-from commsched.plugins.tensorflow.reduction import GradientReducer, is_reduced, slots_for  # noqa: E402
+from commsched.plugins.tensorflow.reduction import (  # noqa: E402
+    GradientReducer,
+    is_reduced,
+    slots_for,
+    variable_name,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -202,14 +210,68 @@ def test_legacy_tf_keras_optimizers_are_refused():
         DistributedOptimizer(tf_keras.optimizers.legacy.SGD(0.1))
 
 
-def test_horovod_backend_says_what_to_install_when_missing():
-    try:
-        import horovod.tensorflow  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="HOROVOD_WITH_TENSORFLOW"):
-            GradientReducer(CONFIG, backend="horovod")
-    else:
-        pytest.skip("horovod.tensorflow is installed: tests/plugin_tensorflow/test_horovod.py covers it")
+def test_a_missing_horovod_raises_horovod_unavailable_saying_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)  # import fails as if not installed
+    for wrap in (lambda: GradientReducer(CONFIG, backend="horovod"),
+                 lambda: DistributedGradientTape(tf.GradientTape(), config=CONFIG, backend="horovod"),
+                 lambda: DistributedOptimizer(_keras().optimizers.SGD(0.1), config=CONFIG, backend="horovod")):
+        with pytest.raises(HorovodUnavailable, match="HOROVOD_WITH_TENSORFLOW") as info:
+            wrap()
+        assert isinstance(info.value, ImportError) and "ENVIRONMENT.md" not in str(info.value)
+
+
+def test_a_subclass_of_the_wrapped_tape_reduces_once_without_recursing():
+    v = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v)
+    wrapped = DistributedGradientTape(tape, config=CONFIG)
+    calls = []
+
+    class Logged(type(wrapped)):
+        def gradient(self, target, sources, **kw):
+            calls.append(len(sources))
+            return super().gradient(target, sources, **kw)
+
+    logged = Logged.__new__(Logged)
+    logged.__dict__.update(wrapped.__dict__)
+    grads = logged.gradient(loss, [v])
+    np.testing.assert_array_equal(grads[0].numpy(), [2.0, 4.0])
+    assert calls == [1] and is_reduced(grads[0])
+
+
+def test_tape_and_reducer_name_pieces_after_variables_the_same_way():
+    v = tf.Variable([1.0], name="kernel")
+    assert variable_name(v, 3) == f"3:{getattr(v, 'path', None) or v.name}"
+    assert variable_name(object(), 2) == variable_name(None, 2) == "grad2"
+    reducer = GradientReducer(CONFIG)
+    seen = []
+    reducer.reduce = lambda grads, names=None: seen.append(names) or grads
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v)
+    wrapped = DistributedGradientTape(tape, config=CONFIG)
+    wrapped.commsched = reducer
+    wrapped.gradient(loss, [v])
+    reducer.reduce_grads_and_vars([(tf.ones([1]), v)])
+    assert seen == [[variable_name(v, 0)], [variable_name(v, 0)]]
+
+
+def test_closed_optimizer_and_tape_refuse_work_with_scheduler_closed():
+    keras = _keras()
+    v = keras.Variable(np.ones(2, "float32"))
+    with DistributedOptimizer(keras.optimizers.SGD(0.1), config=CONFIG) as opt:
+        opt.apply_gradients([(tf.ones([2]), v)])
+        np.testing.assert_allclose(v.numpy(), [0.9, 0.9])
+    opt.close()  # idempotent
+    with pytest.raises(SchedulerClosed, match="closed"):
+        opt.apply_gradients([(tf.ones([2]), v)])
+    w = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * w)
+    tape = DistributedGradientTape(tape, config=CONFIG)
+    tape.close()
+    tape.close()
+    with pytest.raises(SchedulerClosed, match="closed"):
+        tape.gradient(loss, [w])
 
 
 def test_tape_returns_gradients_marked_as_reduced_and_unroll_runs_n_steps():

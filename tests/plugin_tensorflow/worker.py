@@ -180,10 +180,10 @@ def scenario_keras3() -> None:
         result[name]["iterations"] = int(opt.iterations.numpy())
         result[name]["ref_iterations"] = int(ref_opt.iterations.numpy())
         if name == "adam":
-            plan = opt._commsched.plans[-1]
+            plan = opt.commsched.plans[-1]
             result["graph"] = graph_structure(step, plan, *data(0))
             result["plan_order"] = plan.order
-            result["slots"] = opt._commsched.slots
+            result["slots"] = opt.commsched.slots
             result["timeline"] = rank_path(timeline.timeline, RANK, WORLD)
     result["custom_loop_s"] = time.time() - t0
 
@@ -277,7 +277,7 @@ def scenario_tf_keras() -> None:
             models.append((model, opt))
         result[name] = same_weights(models[0][0], models[1][0])
         result[name]["iterations"] = int(models[1][1].iterations.numpy())
-        result[name]["traces"] = len(models[1][1]._commsched.plans)
+        result[name]["traces"] = len(models[1][1].commsched.plans)
     result["fit_s"] = time.time() - t0
     # tf-keras custom loop with the same wrapper.
     ref, _, _ = custom_loop(strategy, tf_keras, lambda: tf_keras.optimizers.Adam(1e-2), wrap=False, init=init)
