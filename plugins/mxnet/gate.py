@@ -24,7 +24,9 @@ once its pieces are issued to the engine, which orders the update after them).
 
 A gate must be opened exactly once, also on errors and at exit: an engine that
 still holds a closed gate hangs or aborts at shutdown. :class:`Gates` tracks
-every gate it made and :meth:`Gates.open_all` opens the ones still closed.
+every gate it made and :meth:`Gates.open_all` opens the ones still closed. A
+:class:`Watchdog` fails the scheduler when a gate stays closed past its timeout
+(a dead worker), so the engine is released instead of hanging.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ from typing import Callable
 import mxnet as mx
 from mxnet.base import _LIB, check_call
 
-__all__ = ["Gate", "Gates", "available", "avatar"]
+from commsched.errors import CommschedTimeout
+from commsched.scheduler import Scheduler
+
+__all__ = ["Gate", "Gates", "Watchdog", "available", "avatar"]
 
 log = logging.getLogger(__name__)
 
@@ -217,3 +222,48 @@ class Gates:
             callback()
         except BaseException:  # never let an exception unwind into the engine
             log.exception("commsched engine notifier failed")
+
+
+class Watchdog:
+    """Fails ``scheduler`` when one of ``gates`` stayed closed longer than ``timeout_s``.
+
+    A closed gate blocks the engine, not Python: without this, a dead worker would
+    hang the next forward forever instead of raising. Every ``period_s`` while a
+    gate is closed, past ``timeout_s`` it calls :meth:`Scheduler.abort` with a
+    :class:`CommschedTimeout` (every pending future fails, which must open the
+    gates; the error surfaces at the next call), and past ``look_after_s`` it calls
+    :meth:`Scheduler.check`, which moves the scheduler to its failed state when
+    another worker aborted. One named, non-daemon thread, joined by :meth:`close`.
+    """
+
+    def __init__(self, gates: Gates, scheduler: Scheduler, timeout_s: float, *, period_s: float = 0.5,
+                 look_after_s: float = 1.0) -> None:
+        self._gates = gates
+        self._scheduler = scheduler
+        self._timeout_s = timeout_s
+        self._period_s = period_s
+        self._look_after_s = look_after_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"commsched-mx-watchdog-r{scheduler.rank}",
+                                        daemon=False)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop and join the thread. Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            closed = self._gates.closed() if self._scheduler.error is None else []
+            if not closed:
+                continue
+            age = time.monotonic() - min(g.created for g in closed)
+            if age > self._timeout_s:
+                self._scheduler.abort(CommschedTimeout(f"the transfers of {len(closed)} array(s) the engine "
+                                                       "waits for", self._timeout_s, self._scheduler.pending()))
+            elif age > self._look_after_s:
+                try:
+                    self._scheduler.check()  # raises a background error or another worker's abort
+                except Exception:
+                    log.debug("the watchdog found the scheduler failed", exc_info=True)

@@ -14,10 +14,12 @@ import numpy as np  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
 import commsched  # noqa: E402
+from helpers import commsched_threads  # noqa: E402
 import commsched.plugins.mxnet as cmx  # noqa: E402
 from commsched.plugins.mxnet import gate  # noqa: E402
 from commsched.tcpstore import StoreClient, StoreServer  # noqa: E402
-from commsched.plugins.mxnet.tensor_ops import NDArrayOps  # noqa: E402
+from commsched.plugins.mxnet.backends import KVStoreBackend  # noqa: E402
+from commsched.plugins.mxnet.tensor_ops import KeyEntry  # noqa: E402
 
 SMALL = commsched.SchedulerConfig(partition_bytes=256, credit_bytes=512, timeout_s=30)
 
@@ -87,7 +89,7 @@ def test_store_set_get_check_delete_and_timeouts():
 
 
 def test_store_queue_is_fifo_and_a_blocked_pop_does_not_block_other_threads():
-    before = set(threading.enumerate())
+    before = commsched_threads()
     server = StoreServer("127.0.0.1", 0)
     client = StoreClient(*server.address)
     got = []
@@ -103,7 +105,7 @@ def test_store_queue_is_fifo_and_a_blocked_pop_does_not_block_other_threads():
     assert got == [b"first", b"second"]
     client.close()
     server.close()
-    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("commsched-store")]
+    assert not [t for t in commsched_threads() - before if t.name.startswith("commsched-store")]
 
 
 def test_a_closed_store_server_makes_clients_fail_instead_of_wait():
@@ -195,8 +197,8 @@ def test_misuse_errors_say_how_to_fix_it():
             kv.init("w", a)
 
 
-def test_close_joins_every_thread_and_refuses_more_work():
-    before = set(threading.enumerate())  # other tests in this process may have threads of their own
+def test_close_joins_every_thread_and_every_later_call_raises_scheduler_closed():
+    before = commsched_threads()  # other tests in this process may have threads of their own
     kv = cmx.KVStore("local", SMALL)
     a = mx.nd.ones((100,))
     kv.init(0, a)
@@ -204,9 +206,32 @@ def test_close_joins_every_thread_and_refuses_more_work():
     kv.synchronize()
     kv.close()
     kv.close()  # idempotent
-    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("commsched")]
+    assert not [t.name for t in commsched_threads() - before]
+    calls = {
+        "init": lambda: kv.init(1, a),
+        "broadcast": lambda: kv.broadcast(1, a, out=a),
+        "pushpull": lambda: kv.pushpull(0, a),
+        "push": lambda: kv.push(0, a),
+        "pull": lambda: kv.pull(0, out=a),
+        "synchronize": kv.synchronize,
+        "set_optimizer": lambda: kv.set_optimizer(mx.optimizer.SGD()),
+    }
+    for name, call in calls.items():
+        with pytest.raises(commsched.SchedulerClosed, match="closed"):
+            call()
+            pytest.fail(f"{name} on a closed KVStore did not raise")
+
+
+def test_the_context_manager_closes_and_keeps_the_exception_that_left_the_block():
+    before = commsched_threads()
+    with pytest.raises(KeyError, match="from the block"):
+        with cmx.KVStore("local", SMALL) as kv:
+            kv.init(0, mx.nd.ones((100,)))
+            kv.pushpull(0, mx.nd.ones((100,)))
+            raise KeyError("from the block")
+    assert not [t.name for t in commsched_threads() - before]
     with pytest.raises(commsched.SchedulerClosed):
-        kv.pushpull(0, a)
+        kv.pushpull(0, mx.nd.ones((100,)))
 
 
 def test_pushpull_with_out_leaves_the_value_untouched():
@@ -221,9 +246,23 @@ def test_pushpull_with_out_leaves_the_value_untouched():
         assert (value.asnumpy() == np.arange(200)).all()
 
 
-def test_flat_views_share_memory():
-    ops = NDArrayOps()
+def test_the_pieces_of_a_key_are_views_on_its_memory_cut_where_the_scheduler_cuts():
     a = mx.nd.zeros((4, 5))
-    view = ops.flat_view(a, 3, 8)
-    view[:] = 1
-    assert a.asnumpy().sum() == 5 and ops.numel(a) == 20 and ops.element_size(a) == 4
+    with cmx.KVStore("local", commsched.SchedulerConfig(partition_bytes=24)) as kv:  # 6 float32 per piece
+        bounds = kv.scheduler.bounds(20, 4)
+    entry = KeyEntry("a", a, bounds, first_key=cmx.FIRST_SUB_KEY)
+    assert entry.bounds == [(0, 6), (6, 12), (12, 18), (18, 20)]
+    assert entry.sub_keys == [cmx.FIRST_SUB_KEY + i for i in range(4)]
+    for index, view in enumerate(entry.views(a)):
+        view[:] = index + 1
+    assert a.asnumpy().ravel().tolist() == [1] * 6 + [2] * 6 + [3] * 6 + [4] * 2
+
+
+def test_the_backend_closes_twice_without_harm_and_leaves_no_thread():
+    # Scheduler.close() closes the backend; a KVStore that failed half-way closes it too.
+    before = commsched_threads()
+    backend = KVStoreBackend(mx.kv.create("local"), gates=None)  # the fallback's waiter thread
+    assert [t.name for t in commsched_threads() - before] == ["commsched-mx-wait-r0"]
+    backend.close()
+    backend.close()
+    assert not commsched_threads() - before
