@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import worker_env
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
@@ -66,7 +67,7 @@ def run_job(out: Path, *worker_args: str, command: list[str] | None = None, work
     worker_cmd = command or [sys.executable, str(WORKER), "--out", str(out), *worker_args]
     cmd = [sys.executable, "-m", "commsched", "launch", "mxnet", "--workers", str(workers), "--servers",
            str(servers), "--timeout", str(job_timeout or timeout - 15), "--grace", str(grace), "--", *worker_cmd]
-    penv = dict(os.environ, COMMSCHED_TEST_JOB=tag, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    penv = worker_env({"COMMSCHED_TEST_JOB": tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=penv, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

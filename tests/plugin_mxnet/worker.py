@@ -19,12 +19,12 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 import traceback
 
 import mxnet as mx
 import numpy
+from helpers import commsched_threads  # tests/ is on PYTHONPATH (conftest.run_job)
 from mxnet import autograd, gluon
 
 import commsched
@@ -189,7 +189,7 @@ def mode_scenarios(args) -> list:
             results.append(run_scenario(inner, index, sc))
         except Exception as exc:
             results.append({"scenario": sc, "rank": inner.rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
-    write(args.out, inner.rank, {"results": results, "threads_left": commsched_threads()})
+    write(args.out, inner.rank, {"results": results, "threads_left": sorted(t.name for t in commsched_threads())})
     return results
 
 
@@ -271,10 +271,6 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=3.0)
     args = parser.parse_args()
     {"scenarios": mode_scenarios, "order": mode_order, "die": mode_die}[args.mode](args)
-
-
-def commsched_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("commsched")]
 
 
 if __name__ == "__main__":
