@@ -107,6 +107,7 @@ class TorchBackend:
                 "backend='torch' needs an initialized default process group: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') before creating DistributedOptimizer"
             )
+        self._owns_group = group is None
         if group is None:
             # A group of our own: collectives the user issues on the default group
             # while pieces are still in flight (cross-iteration) cannot interleave
@@ -168,11 +169,13 @@ class TorchBackend:
         return self.group
 
     def close(self) -> None:
-        """Drop our reference to the process group, so it is destroyed with the
-        user's ``destroy_process_group()`` and not during interpreter teardown
-        (where gloo's threads can abort the process). Idempotent."""
-        self.group = None
+        """Destroy the group we created (a group the user passed stays theirs), now
+        rather than during interpreter teardown, where gloo's threads can abort the
+        process ("terminate called without an active exception"). Idempotent."""
+        group, self.group = self.group, None
         self._streams.clear()
+        if group is not None and self._owns_group and dist.is_initialized():
+            dist.destroy_process_group(group)
 
 
 def _import_horovod() -> Any:
