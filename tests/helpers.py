@@ -24,8 +24,8 @@ import pytest
 
 from commsched.bench.procs import free_ports
 
-__all__ = ["TESTS", "REPO", "commsched_threads", "free_port", "free_ports", "Finished", "horovod_or_skip", "horovodrun",
-           "run_workers", "worker_env"]
+__all__ = ["TESTS", "REPO", "Finished", "assert_clean_exit", "commsched_threads", "free_port", "free_ports",
+           "horovod_or_skip", "horovodrun", "run_workers", "worker_env"]
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -110,6 +110,13 @@ def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, s
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+def assert_clean_exit(finished: Sequence[Finished], bound_s: float) -> None:
+    """Every worker exited 0 within ``bound_s`` of writing its markers (see :func:`run_workers`)."""
+    for rank, proc in enumerate(finished):
+        assert proc.returncode == 0, f"worker {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+        assert proc.exit_s is not None and proc.exit_s <= bound_s, proc.exit_s
 
 
 def _marked(paths: Sequence[Path]) -> float | None:

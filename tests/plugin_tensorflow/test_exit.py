@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_ports, horovod_or_skip, horovodrun, run_workers, worker_env
+from helpers import assert_clean_exit, free_ports, horovod_or_skip, horovodrun, run_workers, worker_env
 
 pytest.importorskip("tensorflow")
 
@@ -17,12 +17,6 @@ SCRIPT = Path(__file__).resolve().parent / "forgot_close.py"
 TIMEOUT_S = 20.0  # the script's SchedulerConfig(timeout_s=...): the bound on every collective, so on exit too
 START_S = 200.0  # importing TensorFlow and tracing, on a loaded machine
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1"}
-
-
-def check(finished) -> None:
-    for rank, proc in enumerate(finished):
-        assert proc.returncode == 0, f"worker {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
-        assert proc.exit_s is not None and proc.exit_s <= TIMEOUT_S, proc.exit_s
 
 
 @pytest.mark.timeout(START_S + TIMEOUT_S + 30)
@@ -33,7 +27,7 @@ def test_collective_workers_exit_without_close(tmp_path):
     finished = run_workers([[sys.executable, str(SCRIPT), "collective", str(tmp_path), str(TIMEOUT_S)]] * 2, envs,
                            [tmp_path / f"rank{r}.log" for r in range(2)], timeout=START_S, cwd=tmp_path,
                            markers=[[tmp_path / f"rank{r}.done"] for r in range(2)], exit_within=TIMEOUT_S)
-    check(finished)
+    assert_clean_exit(finished, TIMEOUT_S)
 
 
 @pytest.mark.timeout(START_S + TIMEOUT_S + 150)
@@ -42,4 +36,4 @@ def test_horovod_ranks_exit_without_close(tmp_path):
     finished = run_workers([horovodrun(2, str(SCRIPT), "horovod", str(tmp_path), str(TIMEOUT_S))],
                            [worker_env(TF_ENV)], [tmp_path / "horovodrun.log"], timeout=START_S, cwd=tmp_path,
                            markers=[[tmp_path / "rank0.done", tmp_path / "rank1.done"]], exit_within=TIMEOUT_S)
-    check(finished)
+    assert_clean_exit(finished, TIMEOUT_S)

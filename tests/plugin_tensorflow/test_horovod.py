@@ -30,7 +30,7 @@ def test_horovod_backend_sums_like_hvd_allreduce_and_the_tape_averages(tmp_path,
     why = _horovod_with_tensorflow()
     if why is not None:
         pytest.skip(f"horovod.tensorflow is not usable here ({why}); build it with `make horovod` "
-                    "(HOROVOD_WITH_TENSORFLOW=1, see ENVIRONMENT.md)")
+                    "(HOROVOD_WITH_TENSORFLOW=1)")
     horovodrun = Path(sys.executable).parent / "horovodrun"
     env = tf_worker_env()
     proc = subprocess.Popen([str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, horovod_or_skip, horovodrun, run_workers, worker_env
+from helpers import assert_clean_exit, free_port, horovod_or_skip, horovodrun, run_workers, worker_env
 
 pytest.importorskip("torch")
 
@@ -20,12 +20,6 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "forgot_close.py"
 TIMEOUT_S = 15.0  # the scripts' SchedulerConfig(timeout_s=...): the bound on every wait, so on exit too
 START_S = 150.0  # importing torch and training three steps, on a loaded machine
-
-
-def check(finished) -> None:
-    for rank, proc in enumerate(finished):
-        assert proc.returncode == 0, f"worker {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
-        assert proc.exit_s is not None and proc.exit_s <= TIMEOUT_S, proc.exit_s
 
 
 @pytest.mark.timeout(START_S + TIMEOUT_S + 30)
@@ -36,7 +30,7 @@ def test_gloo_ranks_exit_without_close(tmp_path):
     finished = run_workers([[sys.executable, str(SCRIPT), "torch", str(tmp_path), str(TIMEOUT_S)]] * 2, envs,
                            [tmp_path / f"rank{r}.log" for r in range(2)], timeout=START_S,
                            markers=[[tmp_path / f"rank{r}.done"] for r in range(2)], exit_within=TIMEOUT_S)
-    check(finished)
+    assert_clean_exit(finished, TIMEOUT_S)
 
 
 @pytest.mark.timeout(START_S + TIMEOUT_S + 150)
@@ -45,4 +39,4 @@ def test_horovod_ranks_exit_without_close(tmp_path):
     finished = run_workers([horovodrun(2, str(SCRIPT), "horovod", str(tmp_path), str(TIMEOUT_S))],
                            [worker_env({"OMP_NUM_THREADS": "1"})], [tmp_path / "horovodrun.log"], timeout=START_S,
                            markers=[[tmp_path / "rank0.done", tmp_path / "rank1.done"]], exit_within=TIMEOUT_S)
-    check(finished)
+    assert_clean_exit(finished, TIMEOUT_S)
