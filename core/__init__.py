@@ -17,7 +17,7 @@ from commsched.errors import (
     RemoteAbort,
     SchedulerClosed,
 )
-from commsched.scheduler import Backend, Piece, Scheduler, Task
+from commsched.scheduler import Backend, Piece, Scheduler, Task, Ticket
 
 __all__ = [
     "Backend",
@@ -32,5 +32,6 @@ __all__ = [
     "SchedulerClosed",
     "SchedulerConfig",
     "Task",
+    "Ticket",
     "__version__",
 ]

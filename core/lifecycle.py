@@ -15,7 +15,9 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["close_at_exit"]
+from commsched.errors import CommschedError
+
+__all__ = ["Closeable", "close_at_exit", "join_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,15 @@ def _close_all() -> None:
             obj.close(timeout=timeout_s)
         except Exception as exc:  # exit must go on; say what could not be closed cleanly
             log.warning("closing %s at exit: %s", type(obj).__name__, exc)
+
+
+def join_threads(threads: list[threading.Thread], timeout_s: float) -> None:
+    """Join each thread (but the calling one) for at most ``timeout_s``; log one that did not stop."""
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                log.error("commsched thread %s did not stop", thread.name)
 
 
 def close_at_exit(obj: Any, timeout_s: float) -> None:
@@ -52,3 +63,33 @@ def close_at_exit(obj: Any, timeout_s: float) -> None:
 
             atexit.register(_close_all)
         _installed = True
+
+
+_CLOSE_AFTER_ERROR_S = 5.0  # what is pending after an exception will rarely land: do not wait long
+
+
+class Closeable:
+    """The context manager of every commsched object that owns work: schedulers, optimizers, KVStores.
+
+    ``with obj:`` calls ``obj.close()`` on a normal exit. When the block raises, ``close``
+    waits at most ``min(config.timeout_s, 5 s)`` and a commsched error it raises is logged,
+    not raised, so that the exception already propagating is the one the user sees.
+    Subclasses provide ``config`` and ``close(timeout=None)``.
+    """
+
+    config: Any
+
+    def close(self, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):  # noqa: ANN204 - returns the subclass
+        return self
+
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(timeout=min(self.config.timeout_s, _CLOSE_AFTER_ERROR_S))
+        except CommschedError:
+            log.debug("closing %s after an exception", type(self).__name__, exc_info=True)

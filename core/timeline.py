@@ -8,9 +8,11 @@ step markers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
+from typing import Any
 
 __all__ = ["Timeline", "now_us", "rank_path"]
 
@@ -88,3 +90,18 @@ class Timeline:
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, fh)
         os.replace(tmp, self.path)
         return self.path
+
+    def write_or_warn(self) -> str | None:
+        """:meth:`write`, logging (not raising) a file-system error: closing must go on."""
+        try:
+            return self.write()
+        except OSError as exc:
+            logging.getLogger(__name__).warning("could not write the timeline to %s: %s", self.path, exc)
+            return None
+
+    def piece(self, piece: Any, end_us: float) -> None:
+        """A piece's QUEUED (submitted → started) and COMM (started → ``end_us``) spans."""
+        if self.enabled:
+            step = piece.task.step
+            self.span("QUEUED", piece.name, piece.task.submitted_us, piece.issued_us, step=step)
+            self.span("COMM", piece.name, piece.issued_us, end_us, bytes=piece.nbytes, step=step)

@@ -32,8 +32,9 @@ import mxnet as mx
 import numpy as np
 
 from commsched.config import SchedulerConfig
-from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
-from commsched.lifecycle import close_at_exit
+from commsched.errors import CommschedTimeout, SchedulerClosed
+from commsched.lifecycle import Closeable, close_at_exit
+from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler
 from commsched.tcpstore import StoreClient, StoreServer
 from commsched.plugins.mxnet import gate as gate_mod
@@ -50,7 +51,7 @@ _GATE_MODES = ("auto", "engine", "issue")
 _LOOK_S = 0.5  # how often the fallback's wait for its pieces to be issued looks for errors
 
 
-class KVStore(mx.kv.KVStoreBase):
+class KVStore(Closeable, mx.kv.KVStoreBase):
     """A Gluon-compatible KVStore whose push/pull is scheduled by commsched.
 
     Args:
@@ -99,7 +100,7 @@ class KVStore(mx.kv.KVStoreBase):
         self._store_server: StoreServer | None = None
         self._store: StoreClient | None = None
         try:
-            if self._backend.world_size > 1 and self.config.ordering != "fifo":
+            if agrees_on_order(self.config, self._backend.world_size, self._backend.negotiates_order):
                 self._store_server, self._store = order_store(inner)
             self._scheduler = Scheduler(self._backend, TransferOps(), self.config, store=self._store,
                                         key_prefix="commsched-mx")
@@ -287,17 +288,6 @@ class KVStore(mx.kv.KVStoreBase):
             self._release()
         if self._scheduler.error is not None:  # the first error says more than a drain timeout after it
             raise self._scheduler.error
-
-    def __enter__(self) -> "KVStore":
-        return self
-
-    def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        if exc_type is None:
-            return self.close()
-        try:
-            self.close(timeout=min(self.config.timeout_s, 5.0))
-        except CommschedError:
-            log.debug("closing after an exception", exc_info=True)  # the exception propagating says more
 
     # ------------------------------------------------------------- internals
     def _check_usable(self) -> None:

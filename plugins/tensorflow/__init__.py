@@ -8,7 +8,7 @@
   forward overlaps the previous step's communication.
 
 Pieces are reduced with TF collective ops (``backend="collective"``, default) or
-Horovod (``backend="horovod"``), in an order that :mod:`commsched.planner` fixes in
+Horovod (``backend="horovod"``), in an order that :mod:`commsched.replay` fixes in
 the graph, identically on every worker. See ``docs/tensorflow.md``.
 """
 

@@ -5,7 +5,7 @@ gradient tape call, at trace time, in the replica context:
 
 1. **partition**: each gradient is cut with the core's ``piece_bounds``
    (``partition_bytes``), exactly as the live scheduler would cut it;
-2. **order**: :func:`commsched.planner.plan` replays the core's priority-and-credit
+2. **order**: :func:`commsched.replay.plan` replays the core's priority-and-credit
    queue on a model of the backward pass (gradients listed in forward order;
    backward produces the last first; priority = position in that list). The
    result depends only on shapes, dtypes and the config, so every worker writes
@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from commsched.config import SchedulerConfig
 from commsched.errors import SchedulerClosed
-from commsched.planner import Plan, PlanTensor, backward_ready_times, plan
+from commsched.replay import Plan, PlanTensor, backward_ready_times, plan
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
 from commsched.plugins.tensorflow.tensor_ops import check_gradient, dense, join_pieces
 from commsched.timeline import Timeline

@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from commsched.config import SchedulerConfig, read_environment
 from commsched.errors import CommschedError, SchedulerClosed
+from commsched.lifecycle import Closeable
+from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
 from commsched.plugins.torch.backends import default_store, make_backend
@@ -82,7 +84,7 @@ class _ParamState:
         self.hyper: Optional[dict] = None  # the group's hyperparameters when step() ended this gradient's step
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     """Wrap ``optimizer`` so that ``model``'s gradients are reduced by commsched.
 
     Args:
@@ -140,9 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.rank = self._backend.rank
         self.world_size = self._backend.world_size
         store = None
-        needs_store = (self.world_size > 1 and self.config.ordering != "fifo"
-                       and not self._backend.negotiates_order)
-        if needs_store:
+        if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order):
             store = default_store()
         self._scheduler = Scheduler(self._backend, TorchOps(), self.config, store=store,
                                     key_prefix=f"commsched/opt{next(_instances)}")
@@ -405,26 +405,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "scheduler": sched,
         }
 
-    def close(self) -> None:
-        """Apply what is pending, remove the hooks, close the scheduler (which closes the
-        backend). Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Apply what is pending (waiting at most ``timeout``, default ``timeout_s``), remove the
+        hooks, close the scheduler (which closes the backend). Idempotent. ``with opt:`` closes
+        too; after an exception it waits at most 5 s and lets that exception through."""
         if self._closed:
             return
         try:
             if self._scheduler.error is None:
-                self.synchronize()
+                self.synchronize(timeout)
         finally:
             self._closed = True
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
-            self._scheduler.close()
-
-    def __enter__(self) -> DistributedOptimizer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+            self._scheduler.close(timeout)
 
     def _check_open(self) -> None:
         if self._closed:

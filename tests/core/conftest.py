@@ -1,7 +1,8 @@
 """Threads-as-ranks harness for the core's tests.
 
 ``run_ranks(world_size, body, config=...)`` builds an :class:`InProcessWorld`, one
-:class:`Scheduler` per rank, runs ``body(rank, scheduler)`` on one thread per rank,
+:class:`Scheduler` per rank (``observers={rank: fn}`` passes a decision observer),
+runs ``body(rank, scheduler)`` on one thread per rank,
 closes every scheduler and the world, and returns what each rank returned or
 raised. A rank thread that does not finish within ``join_s`` fails the test (a
 hang), after the world is closed so that nothing is left running.
@@ -39,10 +40,12 @@ class RankRun:
 def run_ranks(world_size: int, body: Callable[[int, Scheduler], Any], *, config: SchedulerConfig,
               world: InProcessWorld | None = None, join_s: float = 20.0, close_timeout_s: float = 5.0,
               setup: Callable[[int, Scheduler], None] | None = None, store: Any = None,
-              **world_kwargs: Any) -> RankRun:
+              observers: dict[int, Callable] | None = None, **world_kwargs: Any) -> RankRun:
     world = world if world is not None else InProcessWorld(world_size, **world_kwargs)
     store = store if store is not None else world.store
-    schedulers = [Scheduler(world.backend(r), ArrayOps(), config, store=store) for r in range(world_size)]
+    observers = observers or {}
+    schedulers = [Scheduler(world.backend(r), ArrayOps(), config, store=store, observer=observers.get(r))
+                  for r in range(world_size)]
     if setup is not None:
         for rank, scheduler in enumerate(schedulers):
             setup(rank, scheduler)

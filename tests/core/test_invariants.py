@@ -95,9 +95,8 @@ def run_workload(ranks, wl: dict, ordering: str) -> None:
                              ordering=ordering, timeout_s=20)
     decisions: list[dict] = []
 
-    def observe(rank: int, scheduler) -> None:
-        if rank == 0:
-            scheduler._observer = lambda event, info: decisions.append(dict(info, event=event))
+    def observe(piece, waiting, in_flight_bytes) -> None:  # rank 0's decisions, as they are made
+        decisions.append({"piece": piece, "key": piece.key, "waiting": waiting, "in_flight_bytes": in_flight_bytes})
 
     submitted_keys: dict[tuple[int, str], tuple[int, int]] = {}  # rank 0: (step, piece name) -> (priority, seq)
 
@@ -122,7 +121,7 @@ def run_workload(ranks, wl: dict, ordering: str) -> None:
             assert future.result(timeout=0) is tensor
         return tensors, scheduler.stats()
 
-    run = ranks(world_size, body, config=config, setup=observe, bandwidth_bytes_per_s=wl.get("bandwidth"))
+    run = ranks(world_size, body, config=config, observers={0: observe}, bandwidth_bytes_per_s=wl.get("bandwidth"))
     run.raise_first()
     assert run.close_errors == [None] * world_size
     world = run.world

@@ -137,10 +137,9 @@ def test_urgent_piece_submitted_later_overtakes_queued_pieces_at_a_piece_boundar
     world = InProcessWorld(2)
     held = HoldingBackend(world.backend(0))
     cfg = SchedulerConfig(partition_bytes=16, credit_bytes=16, timeout_s=10)
-    leader = Scheduler(held, ArrayOps(), cfg, store=world.store)
-    follower = Scheduler(world.backend(1), ArrayOps(), cfg, store=world.store)
     first_issue = threading.Event()
-    leader._observer = lambda event, info: first_issue.set()
+    leader = Scheduler(held, ArrayOps(), cfg, store=world.store, observer=lambda *decision: first_issue.set())
+    follower = Scheduler(world.backend(1), ArrayOps(), cfg, store=world.store)
     try:
         low0, low1 = doubles(8, 1.0), doubles(8, 2.0)
         urgent0, urgent1 = doubles(2, 10.0), doubles(2, 20.0)

@@ -1,4 +1,4 @@
-"""The offline replay (commsched.planner) keeps the scheduler's invariants.
+"""The offline replay (commsched.replay) keeps the scheduler's invariants.
 
 Each property is checked against the plan's own modelled times by code that
 does not share the replay's loop: exactly-once coverage, the credit and slot
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.partition import piece_bounds
-from commsched.planner import CostModel, PlanTensor, backward_ready_times, plan
+from commsched.replay import CostModel, PlanTensor, backward_ready_times, plan
 
 # The replay compares modelled times exactly; so do the checks.
 EPS = 0.0

@@ -1,10 +1,11 @@
-"""Offline replay of the scheduler's priority-and-credit queue: a fixed issue order.
+"""Offline replay of the scheduler's dispatch policy on a modelled clock: a fixed issue order.
 
 The live :class:`~commsched.scheduler.Scheduler` decides which piece goes next at
 run time. Some engines cannot ask anything at run time: a TensorFlow step is a
 graph, and the order of its collectives must be written into the graph before
 it runs, identically on every worker. For them this module *replays* the same
-queue on a model of the backward pass and returns the order it would produce.
+dispatch policy objects the scheduler runs (:func:`commsched.policy.replay_policy`)
+on a model of the backward pass and returns the order they produce.
 
 The replay uses the scheduler's own definitions:
 
@@ -50,6 +51,7 @@ from typing import Sequence
 
 from commsched.config import ORDERINGS
 from commsched.partition import piece_bounds
+from commsched.policy import Unstarted, replay_policy
 
 __all__ = ["CostModel", "Plan", "PlannedPiece", "PlanTensor", "backward_ready_times", "plan"]
 
@@ -146,6 +148,34 @@ class Plan:
         return out
 
 
+@dataclass(frozen=True)
+class _ReplayTask:
+    tensor: int  # index into plan()'s tensors
+    name: str
+    priority: int
+    seq: int
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class _ReplayPiece:
+    """What a dispatch policy reads of a piece: ``task``, ``name``, ``nbytes``, ``key``."""
+
+    task: _ReplayTask
+    index: int
+    start: int
+    stop: int
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.task.name}#{self.index}"
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.task.step, self.task.priority, self.task.seq, self.index)
+
+
 def backward_ready_times(nbytes: Sequence[int], cost: CostModel | None = None) -> list[float]:
     """Modelled ready time of each gradient, for tensors listed in forward order.
 
@@ -183,12 +213,12 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
     if slots is not None and slots < 1:
         raise ValueError(f"slots={slots!r} must be at least 1 (or None for no limit)")
     cost = cost or CostModel()
-    fifo = ordering == "fifo"
+    policy = replay_policy(ordering, credit_bytes)  # the scheduler's own rule, on a modelled clock
+    unstarted = Unstarted()  # (the policy needs it to look up pieces only when agreeing with rank 0)
 
     # Submission order: tensors enter the queue as they become ready (stable on ties).
     arrival = sorted(range(len(tensors)), key=lambda i: (tensors[i].ready, i))
     seq_of = {t: s for s, t in enumerate(arrival)}
-    queue: list[tuple[tuple[int, ...], int, int, int, int]] = []  # (key, tensor, index, start, stop)
     in_flight: list[tuple[float, int, int]] = []  # heap of (finish, slot, nbytes)
     free_slots = list(range(slots)) if slots is not None else []
     slot_free_at = {s: 0.0 for s in free_slots}
@@ -203,10 +233,9 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
         while next_arrival < len(arrival) and tensors[arrival[next_arrival]].ready <= upto:
             i = arrival[next_arrival]
             t = tensors[i]
-            seq = seq_of[i]
+            task = _ReplayTask(i, t.name, t.priority, seq_of[i])
             for index, (lo, hi) in enumerate(piece_bounds(t.numel, t.element_size, partition_bytes)):
-                key = (seq, index) if fifo else (t.priority, seq, index)
-                heapq.heappush(queue, (key, i, index, lo, hi))
+                policy.add(_ReplayPiece(task, index, lo, hi, (hi - lo) * t.element_size))
             next_arrival += 1
 
     while True:
@@ -216,15 +245,11 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
             in_flight_bytes -= nbytes
             if slots is not None:
                 free_slots.append(slot)
-        # Issue while the most urgent ready piece fits (head-of-line, as the scheduler).
-        while queue:
-            key, i, index, lo, hi = queue[0]
-            t = tensors[i]
-            nbytes = (hi - lo) * t.element_size
-            fits = in_flight_bytes + nbytes <= credit_bytes or in_flight_bytes == 0
-            if not fits or (slots is not None and not free_slots):
+        # Issue while the policy lets the most urgent ready piece go (head-of-line, as the scheduler).
+        while not (slots is not None and not free_slots):
+            piece = policy.next(unstarted, 0, in_flight_bytes)
+            if piece is None:
                 break
-            heapq.heappop(queue)
             if slots is not None:
                 # The slot that has been free longest (lowest number on ties): deterministic.
                 slot = min(free_slots, key=lambda s: (slot_free_at[s], s))
@@ -232,15 +257,16 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
             else:
                 slot = -1
             begin = max(now, link_free)
-            link_free = begin + nbytes / cost.link_bytes_per_s
+            link_free = begin + piece.nbytes / cost.link_bytes_per_s
             finish = link_free + cost.latency_s
             if slots is not None:
                 slot_free_at[slot] = finish
-            heapq.heappush(in_flight, (finish, slot, nbytes))
-            in_flight_bytes += nbytes
-            out.append(PlannedPiece(tensor=i, index=index, name=f"{t.name}#{index}", start=lo, stop=hi,
-                                    nbytes=nbytes, priority=t.priority, seq=seq_of[i], slot=slot,
-                                    ready=t.ready, issue=now, finish=finish))
+            heapq.heappush(in_flight, (finish, slot, piece.nbytes))
+            in_flight_bytes += piece.nbytes
+            t = tensors[piece.task.tensor]
+            out.append(PlannedPiece(tensor=piece.task.tensor, index=piece.index, name=piece.name, start=piece.start,
+                                    stop=piece.stop, nbytes=piece.nbytes, priority=t.priority, seq=piece.task.seq,
+                                    slot=slot, ready=t.ready, issue=now, finish=finish))
         events = []
         if next_arrival < len(arrival):
             events.append(tensors[arrival[next_arrival]].ready)

@@ -1,0 +1,473 @@
+"""Dispatch policies: which ready piece starts next. Pure objects, no threads, no clock.
+
+A policy sees the pieces that are ready on this rank (:class:`Unstarted`) and the
+bytes in flight, and names the piece to start now, or None. The
+:class:`~commsched.scheduler.Scheduler` calls it under its lock; a simulator can
+drive the very same objects with a simulated clock. One class per rule, chosen
+once by :func:`make_policy`:
+
+==========================  =========================================================
+policy                      rule
+==========================  =========================================================
+:class:`PriorityPolicy`     smallest ``(step, priority, seq, index)`` within the credit
+                            (one rank; or rank 0 on an engine that negotiates order)
+:class:`LeaderPolicy`       the same, and every decision is published (``dynamic``)
+:class:`FollowerPolicy`     exactly rank 0's published sequence, each piece once it is
+                            ready here and fits the credit
+:class:`StaticLeader`,      step 0 as leader/follower; then every step repeats step 0's
+:class:`StaticFollower`     order (the plan), with no messages
+:class:`FifoPolicy`         submission order within the credit (``fifo``)
+:class:`ImmediatePolicy`    submission order, no credit (ranks > 0 on Horovod, whose
+                            coordinator orders by name: credit there could deadlock it)
+==========================  =========================================================
+
+Credit: a piece may start if ``in_flight + size <= credit``, or alone when nothing is
+in flight. A policy raises :class:`~commsched.errors.OrderAgreementError` when ranks
+disagree; the scheduler then fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from typing import Any
+
+from commsched.config import SchedulerConfig
+from commsched.errors import CommschedError, OrderAgreementError
+from commsched.protocol import Decision, EndOfStep, Lost, Message, Plan
+
+__all__ = ["DispatchPolicy", "FifoPolicy", "FollowerPolicy", "ImmediatePolicy", "LeaderPolicy",
+           "PriorityPolicy", "StaticFollower", "StaticLeader", "Unstarted", "agrees_on_order", "fits", "make_policy",
+           "replay_policy"]
+
+
+def fits(in_flight: int, nbytes: int, credit: int) -> bool:
+    """The credit rule: within ``credit`` bytes, or alone on an idle link."""
+    return in_flight + nbytes <= credit or in_flight == 0
+
+
+def _task_of(piece_name: str) -> str:
+    return piece_name.rsplit("#", 1)[0]
+
+
+class Unstarted:
+    """The pieces ready on this rank but not started, and the tasks whose data is not ready yet.
+
+    Pieces need ``.task``, ``.name`` and ``.key``; tasks ``.step`` and ``.name``. With
+    ``in_order`` (``fifo``), a task whose data arrives before an earlier reserved one
+    is parked until that one's data is there too.
+    """
+
+    def __init__(self, in_order: bool = False) -> None:
+        self._pieces: dict[tuple[int, str], Any] = {}
+        self._waiting: dict[tuple[int, str], Any] = {}
+        self._open: collections.Counter[int] = collections.Counter()  # per step: pieces + waiting tasks
+        self._in_order = in_order
+        self._reserved: collections.deque = collections.deque()  # in_order: reserved tasks not yet handed on
+        self._parked: dict[int, tuple[Any, Any]] = {}  # id(task) -> (task, what arrived with it)
+
+    def add(self, piece: Any) -> None:
+        key = (piece.task.step, piece.name)
+        if key in self._pieces:
+            raise ValueError(f"tensor {piece.task.name!r} was submitted twice in step {key[0]} before its first "
+                             "submission started; names must be unique per step")
+        self._pieces[key] = piece
+        self._open[key[0]] += 1
+
+    def started(self, piece: Any) -> None:
+        del self._pieces[(piece.task.step, piece.name)]
+        self._close(piece.task.step)
+
+    def wait_for(self, task: Any) -> None:
+        """``task`` belongs to its step, but its data is not ready yet."""
+        key = (task.step, task.name)
+        if key in self._waiting:
+            raise ValueError(f"tensor {task.name!r} was reserved twice in step {task.step}; names must be unique "
+                             "per step")
+        self._waiting[key] = task
+        self._open[task.step] += 1
+        if self._in_order:
+            self._reserved.append(task)
+
+    def arrived(self, task: Any, data: Any) -> list[tuple[Any, Any]]:
+        """``task``'s data is ready: the ``(task, data)`` pairs to submit now, in order.
+
+        Empty if ``task`` was not waiting (closed or failed meanwhile) or is parked
+        behind an earlier reservation."""
+        if self._waiting.get((task.step, task.name)) is not task:
+            return []
+        del self._waiting[(task.step, task.name)]
+        self._close(task.step)
+        if not self._in_order:
+            return [(task, data)]
+        self._parked[id(task)] = (task, data)
+        out = []
+        while self._reserved and id(self._reserved[0]) in self._parked:
+            out.append(self._parked.pop(id(self._reserved.popleft())))
+        return out
+
+    def _close(self, step: int) -> None:
+        self._open[step] -= 1
+        if not self._open[step]:
+            del self._open[step]
+
+    def get(self, step: int, piece_name: str) -> Any:
+        return self._pieces.get((step, piece_name))
+
+    def is_waiting(self, step: int, task_name: str) -> bool:
+        return (step, task_name) in self._waiting
+
+    def waiting_in(self, step: int) -> bool:
+        return any(s == step for s, _ in self._waiting)
+
+    def holds(self, task: Any) -> bool:
+        """``task`` is waiting for its data or parked here."""
+        return self._waiting.get((task.step, task.name)) is task or id(task) in self._parked
+
+    def open_in(self, step: int) -> int:
+        """Pieces not started plus tasks without data, in ``step``."""
+        return self._open.get(step, 0)
+
+    def names_in(self, step: int) -> list[str]:
+        return sorted(name for s, name in self._pieces if s == step)
+
+    def pieces(self) -> list[Any]:
+        return list(self._pieces.values())
+
+    def describe(self) -> list[str]:
+        """What is here, for error messages: queued pieces (most urgent first), then waiting tasks."""
+        names = [f"{p.name} (queued)" for p in sorted(self._pieces.values(), key=lambda p: p.key)]
+        names += [f"{t.name} (waiting for data)" for t in self._waiting.values()]
+        names += [f"{t.name} (waiting for an earlier reservation)" for t, _ in self._parked.values()]
+        return names
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+
+class DispatchPolicy:
+    """Base: what every policy answers. The scheduler calls these with its lock held."""
+
+    #: how this rank decides order (``Scheduler.mode``): local, leader, follower, fifo or immediate
+    mode = "local"
+    #: rank 0 of ``dynamic``/``static``: decisions are published to the followers
+    publishes = False
+    #: followers: decisions are read from rank 0
+    reads_decisions = False
+    #: tensors reserved before their data is ready are submitted in reservation order (``fifo``:
+    #: no agreement, so every rank must submit in its user thread's order)
+    in_reservation_order = False
+
+    def __init__(self, credit_bytes: int) -> None:
+        self.credit_bytes = credit_bytes
+
+    def admit(self, step: int, task_name: str, n_pieces: int) -> None:
+        """A task is submitted in ``step``; raise if this policy cannot take it."""
+
+    def add(self, piece: Any) -> None:
+        """``piece`` is ready on this rank (also recorded in :class:`Unstarted`)."""
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        """The piece to start now, or None. ``step`` is this rank's current step."""
+        raise NotImplementedError
+
+    def issued(self, piece: Any) -> list[Message]:
+        """``piece`` started; the messages to publish about it."""
+        return []
+
+    def steps_over(self, unstarted: Unstarted, step: int) -> list[Message]:
+        """Messages for steps that are over (leader), checked after each dispatch pass."""
+        return []
+
+    def step_ended(self, step: int, names: set[str]) -> None:
+        """The user ended ``step`` having submitted ``names``; raise if the policy cannot accept that."""
+
+    def receive(self, messages: list[Message]) -> None:
+        """Decisions from rank 0 (followers)."""
+
+    @property
+    def done_reading(self) -> bool:
+        """True once nothing more will be published (a follower's reader may stop)."""
+        return False
+
+
+class FifoPolicy(DispatchPolicy):
+    """Local submission order within the credit; no agreement (a baseline; engines that negotiate)."""
+
+    mode = "fifo"
+    in_reservation_order = True
+
+    def __init__(self, credit_bytes: int | None) -> None:
+        super().__init__(credit_bytes or 0)
+        self._limited = credit_bytes is not None
+        self._queue: collections.deque = collections.deque()
+
+    def add(self, piece: Any) -> None:
+        self._queue.append(piece)
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        if self._queue and (not self._limited or fits(in_flight, self._queue[0].nbytes, self.credit_bytes)):
+            return self._queue.popleft()
+        return None
+
+
+class ImmediatePolicy(FifoPolicy):
+    """Submission order, no credit (Horovod ranks > 0)."""
+
+    mode = "immediate"
+    in_reservation_order = False  # Horovod matches by name: order does not matter
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+
+class PriorityPolicy(DispatchPolicy):
+    """The most urgent ready piece within the credit: smallest ``(step, priority, seq, index)``.
+
+    The key is unique, so pieces are never compared; head-of-line: if the most urgent
+    piece does not fit, nothing starts (it goes as soon as credit frees, ahead of
+    everything queued: preemption at piece boundaries).
+    """
+
+    def __init__(self, credit_bytes: int) -> None:
+        super().__init__(credit_bytes)
+        self._heap: list[tuple[int, int, int, int, Any]] = []
+
+    def add(self, piece: Any) -> None:
+        heapq.heappush(self._heap, (*piece.key, piece))
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        if self._heap and fits(in_flight, self._heap[0][-1].nbytes, self.credit_bytes):
+            return heapq.heappop(self._heap)[-1]
+        return None
+
+    def queued_keys(self) -> list[tuple]:
+        """The keys of the pieces waiting in the queue (for observers)."""
+        return [entry[-1].key for entry in self._heap]
+
+
+class LeaderPolicy(PriorityPolicy):
+    """Rank 0 of ``dynamic``: priority order, each decision published; ``E step`` once a step fully started."""
+
+    mode = "leader"
+    publishes = True
+
+    def __init__(self, credit_bytes: int) -> None:
+        super().__init__(credit_bytes)
+        self._ended = 0  # steps < this have had their END published
+
+    def issued(self, piece: Any) -> list[Message]:
+        return [Decision(piece.task.step, piece.name)]
+
+    def steps_over(self, unstarted: Unstarted, step: int) -> list[Message]:
+        out: list[Message] = []
+        while self._ended < step and unstarted.open_in(self._ended) == 0:
+            out += self._step_over(self._ended)
+            self._ended += 1
+        return out
+
+    def _step_over(self, step: int) -> list[Message]:
+        return [EndOfStep(step)]
+
+
+class FollowerPolicy(DispatchPolicy):
+    """Ranks > 0 of ``dynamic``: issue exactly rank 0's sequence, each piece once ready here and within credit.
+
+    Disagreement is detected, never hung on: a decision for a piece this rank does not
+    have in an ended step, or an END of a step for which this rank has pieces rank 0
+    never sent, raises :class:`OrderAgreementError` naming them.
+    """
+
+    mode = "follower"
+    reads_decisions = True
+
+    def __init__(self, credit_bytes: int, rank: int) -> None:
+        super().__init__(credit_bytes)
+        self.rank = rank
+        self._agreed: collections.deque[Message] = collections.deque()
+        self.lost: BaseException | None = None  # the store failed: rank 0's decisions cannot arrive
+
+    def receive(self, messages: list[Message]) -> None:
+        for message in messages:
+            if isinstance(message, Lost):
+                self.lost = message.error
+            else:
+                self._agreed.append(message)
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        if not self._agreed and len(unstarted) and self.lost is not None:
+            error = CommschedError(f"rank {self.rank} lost contact with rank 0's decisions (the store failed: "
+                                   f"{self.lost!r}) while {len(unstarted)} piece(s) wait to be sent")
+            error.__cause__ = self.lost
+            raise error
+        while self._agreed:
+            message = self._agreed[0]
+            if isinstance(message, Decision):
+                piece = unstarted.get(message.step, message.piece)
+                if piece is None:
+                    if not unstarted.is_waiting(message.step, _task_of(message.piece)) and step > message.step:
+                        raise OrderAgreementError(
+                            f"rank 0 communicated {message.piece!r} in step {message.step} but rank {self.rank} has "
+                            "no such gradient in that step: every rank must produce the same gradients (an unused "
+                            "parameter must be unused on every rank)")
+                    return None
+                if not fits(in_flight, piece.nbytes, self.credit_bytes):
+                    return None
+                self._agreed.popleft()
+                return piece
+            ended = message.step if isinstance(message, EndOfStep) else 0
+            if step <= ended or unstarted.waiting_in(ended):
+                return None  # wait until this rank has ended that step too, with all its data
+            extra = unstarted.names_in(ended)
+            if extra:
+                raise OrderAgreementError(
+                    f"rank {self.rank} has gradients for {extra[:10]} in step {ended} but rank 0 did not "
+                    "communicate them: every rank must produce the same gradients (an unused parameter must "
+                    "be unused on every rank)")
+            self._agreed.popleft()
+            if isinstance(message, Plan):
+                self._plan_arrived(message, unstarted)
+                return self.next(unstarted, step, in_flight)
+        return None
+
+    def _plan_arrived(self, message: Plan, unstarted: Unstarted) -> None:
+        raise CommschedError("rank 0 published a static plan, but this rank does not run ordering='static'")
+
+
+class _StaticPlan:
+    """Step 0's order, walked again every later step; the one place its checks live."""
+
+    def __init__(self, pieces: tuple[str, ...]) -> None:
+        self.pieces = pieces
+        self._names = set(pieces)
+        self._tasks = {_task_of(p) for p in pieces}
+        self._pos = 0
+        self._step = 1
+
+    def check_task(self, task_name: str, n_pieces: int) -> None:
+        if any(f"{task_name}#{i}" not in self._names for i in range(n_pieces)):
+            raise OrderAgreementError(
+                f"tensor {task_name!r} ({n_pieces} pieces) does not match the static plan made in the profiling "
+                "step (it is new there, or its size changed); ordering='static' needs the same tensors, of the "
+                "same sizes, every step (use ordering='dynamic')")
+
+    def check_step(self, step: int, names: set[str]) -> None:
+        missing = sorted(self._tasks - names)
+        if missing:
+            raise OrderAgreementError(
+                f"step {step} communicated no gradient for {missing[:10]} although the static plan expects it "
+                "every step (an unused parameter?); use ordering='dynamic' for models whose set of gradients "
+                "changes between steps")
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int, credit: int) -> Any:
+        if not self.pieces:  # the profiling step communicated nothing (only zero-size tensors)
+            return None
+        name = self.pieces[self._pos]
+        piece = unstarted.get(self._step, name)
+        if piece is None:
+            if step > self._step and not unstarted.is_waiting(self._step, _task_of(name)):
+                self.check_step(self._step, set())  # raises: the step ended without this tensor
+            return None
+        if not fits(in_flight, piece.nbytes, credit):
+            return None
+        self._pos += 1
+        if self._pos == len(self.pieces):
+            self._pos = 0
+            self._step += 1
+        return piece
+
+
+class _StaticMixin:
+    """Shared by both static roles: the plan's checks and walk from step 1 on."""
+
+    plan: _StaticPlan | None = None
+    credit_bytes: int
+
+    def admit(self, step: int, task_name: str, n_pieces: int) -> None:
+        if step >= 1 and self.plan is not None:
+            self.plan.check_task(task_name, n_pieces)
+
+    def step_ended(self, step: int, names: set[str]) -> None:
+        if step >= 1 and self.plan is not None:
+            self.plan.check_step(step, names)
+
+    def _walk(self, unstarted: Unstarted, step: int, in_flight: int) -> tuple[bool, Any]:
+        """(True, piece or None) once the plan is in force: step 0 fully started, this rank past it."""
+        if self.plan is None or step < 1 or unstarted.open_in(0):
+            return False, None
+        return True, self.plan.next(unstarted, step, in_flight, self.credit_bytes)
+
+
+class StaticLeader(_StaticMixin, LeaderPolicy):
+    """Rank 0 of ``static``: step 0 as :class:`LeaderPolicy`; its order becomes the plan (``L``)."""
+
+    def __init__(self, credit_bytes: int) -> None:
+        super().__init__(credit_bytes)
+        self._step0: list[str] = []
+
+    def add(self, piece: Any) -> None:
+        if piece.task.step == 0:
+            super().add(piece)  # later steps are walked from the plan
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        planned, piece = self._walk(unstarted, step, in_flight)
+        return piece if planned else super().next(unstarted, step, in_flight)
+
+    def issued(self, piece: Any) -> list[Message]:
+        if piece.task.step != 0:
+            return []  # the plan fixes every later step: no per-step messages
+        self._step0.append(piece.name)
+        return super().issued(piece)
+
+    def _step_over(self, step: int) -> list[Message]:
+        if self.plan is not None:
+            return []
+        self.plan = _StaticPlan(tuple(self._step0))
+        return [EndOfStep(step), Plan(self.plan.pieces)]
+
+
+class StaticFollower(_StaticMixin, FollowerPolicy):
+    """Ranks > 0 of ``static``: step 0 as :class:`FollowerPolicy`, then the plan rank 0 published."""
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        planned, piece = self._walk(unstarted, step, in_flight)
+        return piece if planned else super().next(unstarted, step, in_flight)
+
+    def _plan_arrived(self, message: Plan, unstarted: Unstarted) -> None:
+        self.plan = _StaticPlan(message.pieces)
+        for piece in unstarted.pieces():  # step >= 1 pieces queued before the plan was known
+            if piece.task.step >= 1 and piece.name not in message.pieces:
+                raise OrderAgreementError(
+                    f"tensor {piece.task.name!r} was not communicated in the profiling step, so the static plan "
+                    "has no place for it; use ordering='dynamic'")
+
+    @property
+    def done_reading(self) -> bool:
+        return self.plan is not None
+
+
+def agrees_on_order(config: SchedulerConfig, world_size: int, negotiates_order: bool) -> bool:
+    """Whether this ordering needs rank 0's decisions carried to the others through a store."""
+    return world_size > 1 and not negotiates_order and config.ordering in ("dynamic", "static")
+
+
+def replay_policy(ordering: str, credit_bytes: int) -> DispatchPolicy:
+    """The rule of the deciding rank alone, for an offline replay or a simulator: ready order
+    for ``fifo``, priority order otherwise (``static`` replays like ``dynamic``)."""
+    return FifoPolicy(credit_bytes) if ordering == "fifo" else PriorityPolicy(credit_bytes)
+
+
+def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_order: bool) -> DispatchPolicy:
+    """The policy of this rank: the one place where ``ordering`` is looked at."""
+    credit = config.credit_bytes
+    if config.ordering not in ("dynamic", "static", "fifo"):
+        raise ValueError(f"ordering={config.ordering!r} has no dispatch policy")
+    if world_size <= 1:
+        return PriorityPolicy(credit)
+    if negotiates_order and config.ordering != "fifo":
+        return PriorityPolicy(credit) if rank == 0 else ImmediatePolicy()
+    if not agrees_on_order(config, world_size, negotiates_order):
+        return FifoPolicy(credit)
+    if config.ordering == "static":
+        return StaticLeader(credit) if rank == 0 else StaticFollower(credit, rank)
+    return LeaderPolicy(credit) if rank == 0 else FollowerPolicy(credit, rank)

@@ -1,0 +1,175 @@
+"""The dispatch policies as pure objects (no threads, no clock), and the wire protocol.
+
+The scheduler and the offline replay drive these same objects; here they are driven
+by hand, so each rule is checked on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from commsched import OrderAgreementError, SchedulerConfig
+from commsched.policy import (FifoPolicy, FollowerPolicy, ImmediatePolicy, LeaderPolicy, PriorityPolicy,
+                              StaticFollower, StaticLeader, Unstarted, agrees_on_order, fits, make_policy)
+from commsched.protocol import Abort, Close, Decision, EndOfStep, Lost, Plan, decode, encode
+
+
+@dataclass(eq=False)
+class T:
+    name: str
+    step: int = 0
+    priority: int = 0
+    seq: int = 0
+
+
+@dataclass(eq=False)
+class P:
+    task: T
+    index: int
+    nbytes: int
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = f"{self.task.name}#{self.index}"
+
+    @property
+    def key(self):
+        return (self.task.step, self.task.priority, self.task.seq, self.index)
+
+
+def ready(policy, unstarted, *pieces):
+    for p in pieces:
+        unstarted.add(p)
+        policy.add(p)
+
+
+def drain(policy, unstarted, step=1, in_flight=0):
+    out = []
+    while (p := policy.next(unstarted, step, in_flight)) is not None:
+        unstarted.started(p)
+        out.append(p.name)
+    return out
+
+
+@pytest.mark.parametrize("world,ordering,negotiates,rank,expected", [
+    (1, "dynamic", False, 0, PriorityPolicy), (1, "fifo", False, 0, PriorityPolicy),
+    (2, "fifo", False, 0, FifoPolicy), (2, "fifo", True, 1, FifoPolicy),
+    (2, "dynamic", True, 0, PriorityPolicy), (2, "static", True, 1, ImmediatePolicy),
+    (2, "dynamic", False, 0, LeaderPolicy), (3, "dynamic", False, 2, FollowerPolicy),
+    (2, "static", False, 0, StaticLeader), (2, "static", False, 1, StaticFollower),
+])
+def test_the_factory_is_the_one_place_that_maps_ordering_to_a_rule(world, ordering, negotiates, rank, expected):
+    policy = make_policy(SchedulerConfig(ordering=ordering), rank, world, negotiates)
+    assert type(policy) is expected
+    assert agrees_on_order(SchedulerConfig(ordering=ordering), world, negotiates) == (
+        policy.publishes or policy.reads_decisions)
+
+
+def test_credit_admits_within_the_window_or_one_piece_alone_on_an_idle_link():
+    assert fits(0, 100, 10) and fits(5, 5, 10) and not fits(6, 5, 10)
+
+
+def test_priority_policy_starts_the_smallest_key_and_holds_the_head_of_the_line():
+    u, policy = Unstarted(), PriorityPolicy(credit_bytes=8)
+    late, urgent = T("late", priority=5, seq=0), T("urgent", priority=0, seq=1)
+    ready(policy, u, P(late, 0, 4), P(late, 1, 4), P(urgent, 0, 8))
+    assert policy.next(u, 0, in_flight=4) is None  # urgent (8 B) does not fit: nothing overtakes it
+    assert drain(policy, u, in_flight=0)[:1] == ["urgent#0"]
+
+
+def test_fifo_keeps_submission_order_and_immediate_ignores_credit():
+    u, fifo = Unstarted(), FifoPolicy(credit_bytes=4)
+    a, b = T("a", priority=9), T("b", priority=0)
+    ready(fifo, u, P(a, 0, 4), P(b, 0, 4))
+    assert fifo.next(u, 0, 4) is None
+    assert drain(fifo, u) == ["a#0", "b#0"]
+    u2, now = Unstarted(), ImmediatePolicy()
+    ready(now, u2, P(a, 0, 100), P(b, 0, 100))
+    assert now.next(u2, 0, 10**9).name == "a#0"
+
+
+def test_leader_publishes_each_decision_and_ends_a_step_only_when_it_fully_started():
+    u, leader = Unstarted(), LeaderPolicy(credit_bytes=100)
+    w = T("w")
+    ready(leader, u, P(w, 0, 4), P(w, 1, 4))
+    first = leader.next(u, 1, 0)
+    u.started(first)
+    assert leader.issued(first) == [Decision(0, "w#0")]
+    assert leader.steps_over(u, step=1) == []  # w#1 not started yet
+    u.started(leader.next(u, 1, 4))
+    assert leader.steps_over(u, step=1) == [EndOfStep(0)]
+
+
+def test_follower_issues_rank0s_order_and_names_a_gradient_it_lacks():
+    u, follower = Unstarted(), FollowerPolicy(credit_bytes=100, rank=1)
+    a, b = T("a"), T("b")
+    ready(follower, u, P(a, 0, 4), P(b, 0, 4))
+    follower.receive([Decision(0, "b#0"), Decision(0, "a#0"), EndOfStep(0)])
+    assert drain(follower, u, step=1) == ["b#0", "a#0"]
+    follower.receive([Decision(1, "ghost#0")])
+    with pytest.raises(OrderAgreementError, match="ghost"):
+        follower.next(u, 2, 0)
+
+
+def test_follower_waits_for_a_reserved_tensor_instead_of_calling_it_missing():
+    u, follower = Unstarted(), FollowerPolicy(credit_bytes=100, rank=1)
+    late = T("late")
+    u.wait_for(late)
+    follower.receive([Decision(0, "late#0"), EndOfStep(0)])
+    assert follower.next(u, 1, 0) is None  # no error: its data is coming
+    assert u.arrived(late, "data") == [(late, "data")]
+    ready(follower, u, P(late, 0, 4))
+    assert drain(follower, u) == ["late#0"]
+
+
+def test_a_lost_store_is_an_error_only_while_pieces_wait_for_rank0():
+    u, follower = Unstarted(), FollowerPolicy(credit_bytes=100, rank=1)
+    follower.receive([Lost(ConnectionError("gone"))])
+    assert follower.next(u, 0, 0) is None
+    ready(follower, u, P(T("w"), 0, 4))
+    with pytest.raises(Exception, match="lost contact"):
+        follower.next(u, 0, 0)
+
+
+def test_static_leader_makes_the_plan_from_step0_and_walks_it_without_messages():
+    u, leader = Unstarted(), StaticLeader(credit_bytes=100)
+    a0, b0 = T("a", priority=1, seq=0), T("b", priority=0, seq=1)
+    ready(leader, u, P(a0, 0, 4), P(b0, 0, 4))
+    order = []
+    while (p := leader.next(u, 1, 0)) is not None:
+        u.started(p)
+        order.append(p.name)
+        assert leader.issued(p) == [Decision(0, p.name)]
+    assert order == ["b#0", "a#0"]
+    assert leader.steps_over(u, 1) == [EndOfStep(0), Plan(("b#0", "a#0"))]
+    a1, b1 = T("a", step=1, priority=1, seq=2), T("b", step=1, priority=0, seq=3)
+    ready(leader, u, P(a1, 0, 4), P(b1, 0, 4))
+    pieces = [leader.next(u, 2, 0) for _ in range(2)]
+    assert [p.name for p in pieces] == ["b#0", "a#0"] and leader.issued(pieces[0]) == []
+    with pytest.raises(OrderAgreementError, match="does not match the static plan"):
+        leader.admit(2, "new", 1)
+    with pytest.raises(OrderAgreementError, match=r"no gradient for \['a'\]"):
+        leader.step_ended(2, {"b"})
+
+
+def test_static_follower_refuses_a_queued_tensor_the_plan_has_no_place_for():
+    u, follower = Unstarted(), StaticFollower(credit_bytes=100, rank=1)
+    ready(follower, u, P(T("a"), 0, 4), P(T("extra", step=1), 0, 4))
+    follower.receive([Decision(0, "a#0"), EndOfStep(0), Plan(("a#0",))])
+    with pytest.raises(OrderAgreementError, match="'extra'"):
+        drain(follower, u, step=2)
+
+
+@pytest.mark.parametrize("batch", [
+    [Decision(3, "layer.weight#0"), EndOfStep(3)], [Plan(("a#0", "b#1"))], [Plan(())],
+    [Abort("rank 2: boom\nwith a second line")], [Close()],
+])
+def test_messages_survive_encode_and_decode(batch):
+    assert decode(encode(batch)) == batch
+
+
+def test_an_unknown_message_is_refused_with_its_text():
+    with pytest.raises(ValueError, match="unknown order-agreement message 'X"):
+        decode(b"X\t1")
