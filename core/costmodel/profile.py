@@ -1,0 +1,203 @@
+"""The model of one training step, as the simulator, the planner and the tuner read it.
+
+A :class:`Profile` lists the layers of a model in forward order. For each layer: its
+forward and backward compute time, the gradient tensors it produces (name, elements,
+element size), when within backward each of them is ready, and the time to apply the
+optimizer to its parameters. Machine-wide: how much compute slows down while
+communication runs on the same machine (``contention``), and time per step outside
+the layers. Sources: a profiling run of a workload (``commsched profile``), a user's
+own training (``DistributedOptimizer.profile()``), or the built-in zoo
+(:mod:`commsched.costmodel.zoo`).
+
+Times are seconds, sizes bytes. JSON (``to_json``/``from_json``) carries
+:data:`SCHEMA`; a file of another schema, or with a bad field, is refused with a
+``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec"]
+
+SCHEMA = "commsched-profile/1"
+
+
+def _check_time(where: str, name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: {name}={value!r} must be a finite number of seconds >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One gradient tensor: the name the scheduler gets, its element count and element size."""
+
+    name: str
+    numel: int
+    element_size: int = 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"tensor name {self.name!r} must be a non-empty string")
+        if int(self.numel) < 0 or int(self.element_size) <= 0:
+            raise ValueError(f"tensor {self.name!r}: numel={self.numel!r} must be >= 0 and "
+                             f"element_size={self.element_size!r} > 0")
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer (a module that owns parameters), in forward order.
+
+    ``ready_s``: when, counted from the start of backward, this layer's gradients
+    are ready; ``None`` means "when this layer's backward ends" (backward runs the
+    layers in reverse order, so that is the sum of the backward times of this layer
+    and every later one).
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    tensors: tuple[TensorSpec, ...] = ()
+    apply_s: float = 0.0
+    ready_s: float | None = None
+
+    def __post_init__(self) -> None:
+        where = f"layer {self.name!r}"
+        for key in ("forward_s", "backward_s", "apply_s"):
+            _check_time(where, key, getattr(self, key))
+        if self.ready_s is not None:
+            _check_time(where, "ready_s", self.ready_s)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A step of a model on one rank (data parallelism: every rank runs the same step).
+
+    ``contention`` ≥ 1: compute runs this many times slower while communication is in
+    progress on the same machine (measured: forward + backward under a concurrent
+    all-reduce / alone). ``step_overhead_s``: per step, outside the layers (loss, data).
+    ``per_piece_cpu_s``: the scheduler's own CPU per piece (``python -m
+    commsched.bench.overhead``).
+    """
+
+    layers: tuple[LayerProfile, ...]
+    source: str = "unknown"
+    batch_size: int | None = None
+    contention: float = 1.0
+    step_overhead_s: float = 0.0
+    per_piece_cpu_s: float = 12e-6
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a profile needs at least one layer")
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+        tensors = [t.name for layer in self.layers for t in layer.tensors]
+        if len(set(tensors)) != len(tensors):
+            raise ValueError("tensor names must be unique across layers")
+        if not (math.isfinite(self.contention) and self.contention >= 1.0):
+            raise ValueError(f"contention={self.contention!r} must be >= 1 (compute under communication / alone)")
+        _check_time("profile", "step_overhead_s", self.step_overhead_s)
+        _check_time("profile", "per_piece_cpu_s", self.per_piece_cpu_s)
+
+    # ------------------------------------------------------------- derived
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+    @property
+    def apply_s(self) -> float:
+        return sum(layer.apply_s for layer in self.layers)
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward + optimizer + per-step overhead, with no communication."""
+        return self.forward_s + self.backward_s + self.apply_s + self.step_overhead_s
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(layer.grad_bytes for layer in self.layers)
+
+    def ready_times(self) -> list[float]:
+        """For each layer (forward order), when its gradients are ready, from the start of backward."""
+        out = [0.0] * len(self.layers)
+        total = 0.0
+        for i in range(len(self.layers) - 1, -1, -1):
+            total += self.layers[i].backward_s
+            given = self.layers[i].ready_s
+            out[i] = total if given is None else given
+        return out
+
+    def scaled(self, *, compute: float = 1.0, grad: float = 1.0, source: str | None = None) -> "Profile":
+        """The same model with compute times × ``compute`` and gradient sizes × ``grad`` (rounded to
+        whole elements). How ``--tp``/``--pp`` shards are modelled: each data-parallel rank holds
+        1/(tp·pp) of the parameters and does 1/(tp·pp) of the compute (ignoring their own
+        communication, which is stated wherever it is used)."""
+        if compute <= 0 or grad <= 0:
+            raise ValueError(f"scale factors must be positive, got compute={compute}, grad={grad}")
+        layers = tuple(LayerProfile(
+            name=layer.name, forward_s=layer.forward_s * compute, backward_s=layer.backward_s * compute,
+            apply_s=layer.apply_s * compute, ready_s=None if layer.ready_s is None else layer.ready_s * compute,
+            tensors=tuple(TensorSpec(t.name, max(1, round(t.numel * grad)) if t.numel else 0, t.element_size)
+                          for t in layer.tensors)) for layer in self.layers)
+        return Profile(layers=layers, source=source or self.source, batch_size=self.batch_size,
+                       contention=self.contention, step_overhead_s=self.step_overhead_s * compute,
+                       per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta))
+
+    # ----------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["schema"] = SCHEMA
+        return out
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a commsched profile (schema {got!r}, expected {SCHEMA!r}); make one with "
+                             "`commsched profile --workload W --json profile.json` or DistributedOptimizer.profile()")
+        try:
+            layers = tuple(LayerProfile(
+                name=layer["name"], forward_s=layer["forward_s"], backward_s=layer["backward_s"],
+                apply_s=layer.get("apply_s", 0.0), ready_s=layer.get("ready_s"),
+                tensors=tuple(TensorSpec(t["name"], int(t["numel"]), int(t.get("element_size", 4)))
+                              for t in layer.get("tensors", ()))) for layer in data["layers"])
+            return cls(layers=layers, source=data.get("source", "unknown"), batch_size=data.get("batch_size"),
+                       contention=float(data.get("contention", 1.0)),
+                       step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+                       per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"the profile is missing or mistypes a field ({exc!r}); see "
+                             "commsched.costmodel.profile for the schema") from None
+
+    @classmethod
+    def from_json(cls, path: str) -> "Profile":
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); is it truncated?") from None
+        return cls.from_dict(data)
