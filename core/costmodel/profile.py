@@ -106,7 +106,8 @@ class Profile:
             raise ValueError("a profile needs at least one layer")
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
-            raise ValueError(f"layer names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"layer names must be unique; repeated: {repeated}")
         tensors = [t.name for layer in self.layers for t in layer.tensors]
         if len(set(tensors)) != len(tensors):
             raise ValueError("tensor names must be unique across layers")
