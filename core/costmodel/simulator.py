@@ -1,0 +1,473 @@
+"""A discrete-event simulation of data-parallel training steps, per strategy.
+
+Data parallelism is symmetric: every rank runs the same step on the same schedule,
+and a collective ends on all ranks together. So one rank is simulated, with two
+resources: its **compute lane** (forward, backward, optimizer apply, in program
+order) and the **network** (collectives one after another, each costing
+:func:`commsched.costmodel.collectives.allreduce_s` on the topology plus the
+scheduler's CPU per piece). That is what keeps 128 ranks × a 70B decoder well under
+a second. While a collective is on the network, compute runs ``profile.contention``
+times slower (the two share the machine's CPUs; measured by the profiler).
+
+The commsched strategies (``fifo``, ``dynamic``, ``static``) are not a second
+implementation: their pieces are the scheduler's own :class:`~commsched.task.Task`
+and :class:`~commsched.task.Piece` objects, cut by :func:`~commsched.partition.piece_bounds`,
+and the next piece is chosen by the same dispatch policy object the runtime uses
+(:func:`commsched.policy.replay_policy`), within the credit. Peers are modelled from
+what they do:
+
+===============  ==============================================================
+strategy         model
+===============  ==============================================================
+``ddp``          DDP buckets: parameters in reverse order, first bucket 1 MiB,
+                 then ``bucket_cap_mb`` (25; ``ddp:<MB>``); a bucket goes when
+                 all its gradients are ready, in bucket order; backward ends when
+                 the last bucket is reduced; then the optimizer step
+``horovod``      every ``cycle`` (1 ms) the gradients ready so far are fused into
+                 collectives of at most the fusion threshold (128 MiB); ``step()``
+                 waits for all of them, then the optimizer step
+``allreduce``    backward, then one flat all-reduce, then the optimizer step
+``fifo``         commsched, one piece per tensor, no credit (backward order)
+``dynamic``,     commsched, pieces of ``partition_bytes`` by priority within
+``static``       ``credit_bytes``; cross-iteration: layer *i* of the next
+                 forward waits for its own gradients, then applies them
+``hierarchical`` ``dynamic`` with every piece reduced by the two-level algorithm
+===============  ==============================================================
+
+Per strategy: step time (steady state: the mean of the last steps), exposed
+communication (time the compute lane waits on the network: the "bubble"), overlap
+ratio (the share of network time hidden behind compute, in [0, 1]), pieces per
+step, and a Chrome trace of the simulated steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from commsched.costmodel.collectives import allreduce_s
+from commsched.costmodel.profile import Profile, TensorSpec
+from commsched.costmodel.topology import Topology
+from commsched.partition import piece_bounds
+from commsched.policy import Unstarted, replay_policy
+from commsched.task import Piece, Task
+
+__all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "parse_sim_strategy", "simulate", "simulate_all"]
+
+MB = 1 << 20
+UNLIMITED = 1 << 60
+SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "dynamic", "static", "hierarchical")
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """What the simulated strategies are configured with (the bench's defaults)."""
+
+    partition_bytes: int = 1 * MB
+    credit_bytes: int = 4 * MB
+    ddp_bucket_bytes: int = 25 * MB
+    ddp_first_bucket_bytes: int = 1 * MB
+    horovod_fusion_bytes: int = 128 * MB
+    horovod_cycle_s: float = 1e-3
+    steps: int = 5  # simulated; the first is warm-up (no previous step to overlap with)
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        for name in ("partition_bytes", "credit_bytes", "ddp_bucket_bytes", "ddp_first_bucket_bytes",
+                     "horovod_fusion_bytes"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive number of bytes")
+        if not self.horovod_cycle_s > 0:
+            raise ValueError(f"horovod_cycle_s={self.horovod_cycle_s!r} must be > 0")
+        if self.steps < 3:
+            raise ValueError(f"steps={self.steps!r}: at least 3 (one warm-up, two measured)")
+
+
+@dataclass(frozen=True)
+class StrategyModel:
+    """A parsed simulated strategy."""
+
+    name: str
+    kind: str  # ddp | horovod | allreduce | commsched
+    ordering: str = "dynamic"  # commsched only
+    bucket_bytes: int | None = None  # ddp only
+    algorithm: str | None = None  # None: the settings' algorithm
+
+
+def parse_sim_strategy(name: str) -> StrategyModel:
+    """``ddp``, ``ddp:<MB>``, ``horovod``, ``allreduce``, ``fifo``, ``dynamic``, ``static``, ``hierarchical``."""
+    kind, _, arg = name.strip().partition(":")
+    if kind == "ddp":
+        if not arg:
+            return StrategyModel(name, "ddp")
+        try:
+            mb = float(arg)
+        except ValueError:
+            mb = -1.0
+        if not (mb > 0 and math.isfinite(mb)):
+            raise ValueError(f"strategy {name!r}: the bucket size must be a positive number of MB, e.g. ddp:4")
+        return StrategyModel(name, "ddp", bucket_bytes=int(mb * MB))
+    if arg:
+        raise ValueError(f"strategy {name!r} takes no argument; known: {', '.join(SIM_STRATEGIES)}")
+    if kind in ("horovod", "allreduce"):
+        return StrategyModel(name, kind)
+    if kind in ("fifo", "dynamic", "static"):
+        return StrategyModel(name, "commsched", ordering=kind)
+    if kind == "hierarchical":
+        return StrategyModel(name, "commsched", ordering="dynamic", algorithm="hierarchical")
+    raise ValueError(f"unknown strategy {name!r}; known: {', '.join(SIM_STRATEGIES)}")
+
+
+@dataclass
+class SimResult:
+    """One strategy's simulated step (seconds; per step, steady state)."""
+
+    strategy: str
+    step_time_s: float
+    exposed_comm_s: float
+    comm_busy_s: float
+    compute_s: float
+    overlap_ratio: float
+    pieces_per_step: float
+    step_times_s: list[float] = field(default_factory=list)
+    trace: list[dict] = field(default_factory=list)
+
+    def trace_json(self) -> str:
+        """The simulated steps as Chrome-trace JSON (Perfetto opens it)."""
+        return json.dumps({"traceEvents": self.trace, "displayTimeUnit": "ms"})
+
+
+# ---------------------------------------------------------------- the engine
+class _Sim:
+    """One rank's compute lane and the network, advanced event by event."""
+
+    def __init__(self, profile: Profile, collective_s: Callable[[int], float]) -> None:
+        self.profile = profile
+        self.collective_s = collective_s
+        self.now = 0.0
+        self.timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = 0
+        # network: a FIFO of collectives, one at a time
+        self.net_queue: collections.deque[tuple[int, str, Callable[[], None], float]] = collections.deque()
+        self.net_current: tuple[float, Callable[[], None]] | None = None
+        self.net_spans: list[tuple[float, float]] = []
+        self.collectives = 0
+        # compute lane: (kind, label, work seconds, precondition, on_done); kind "mark" records a step
+        # boundary, "fire" only calls on_done, the others occupy the lane for their work
+        self.lane: list[tuple[str, str, float, Callable[[], bool], Callable[[], None] | None]] = []
+        self.lane_pos = 0
+        self.task_left: float | None = None  # work left of the running task
+        self.task_start = 0.0
+        self.waiting_since: float | None = None
+        self.waits: list[tuple[float, float]] = []
+        self.busy: list[tuple[float, float]] = []
+        self.trace: list[dict] = []
+        self.marks: list[float] = []
+
+    # network
+    def send(self, nbytes: int, label: str, done: Callable[[], None], extra_s: float = 0.0) -> None:
+        self.net_queue.append((nbytes, label, done, extra_s))
+        if self.net_current is None:
+            self._start_next_collective()
+
+    def _start_next_collective(self) -> None:
+        if not self.net_queue:
+            self.net_current = None
+            return
+        nbytes, label, done, extra = self.net_queue.popleft()
+        duration = self.collective_s(nbytes) + extra
+        self.net_current = (self.now + duration, done)
+        self.net_spans.append((self.now, self.now + duration))
+        self.collectives += 1
+        self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 1, "ts": self.now * 1e6,
+                           "dur": duration * 1e6, "args": {"bytes": nbytes}})
+
+    def after(self, delay: float, fn: Callable[[], None]) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self.timers, (self.now + delay, self._timer_seq, fn))
+
+    # compute
+    def rate(self) -> float:
+        """Work seconds done per simulated second: slower while the network is busy."""
+        return 1.0 / self.profile.contention if self.net_current is not None else 1.0
+
+    def run(self, limit_events: int = 50_000_000) -> None:
+        events = 0
+        while True:
+            events += 1
+            if events > limit_events:
+                raise RuntimeError("the simulation did not finish (a strategy model waits on itself)")
+            self._advance_lane_starts()
+            candidates = []
+            if self.task_left is not None:
+                candidates.append(self.now + self.task_left / self.rate())
+            if self.net_current is not None:
+                candidates.append(self.net_current[0])
+            if self.timers:
+                candidates.append(self.timers[0][0])
+            if not candidates:
+                if self.lane_pos < len(self.lane):
+                    kind, label = self.lane[self.lane_pos][:2]
+                    raise RuntimeError(f"the simulated step is stuck before {label!r}: it waits for "
+                                       "communication that was never started")
+                return
+            t = min(candidates)
+            if self.task_left is not None:
+                self.task_left -= (t - self.now) * self.rate()
+            self.now = t
+            if self.net_current is not None and self.net_current[0] <= t + 1e-15:
+                done = self.net_current[1]
+                self.net_current = None
+                done()  # may send more (and start it: the network was idle)
+                if self.net_current is None:
+                    self._start_next_collective()
+            while self.timers and self.timers[0][0] <= t + 1e-15:
+                heapq.heappop(self.timers)[2]()
+            if self.task_left is not None and self.task_left <= 1e-15:
+                self._finish_task()
+
+    def _advance_lane_starts(self) -> None:
+        while self.task_left is None and self.lane_pos < len(self.lane):
+            kind, label, work, ready, _ = self.lane[self.lane_pos]
+            if not ready():
+                if self.waiting_since is None:
+                    self.waiting_since = self.now
+                return
+            if self.waiting_since is not None:
+                if self.now > self.waiting_since:
+                    self.waits.append((self.waiting_since, self.now))
+                    self.trace.append({"name": "WAIT", "ph": "X", "pid": 0, "tid": 0,
+                                       "ts": self.waiting_since * 1e6, "dur": (self.now - self.waiting_since) * 1e6})
+                self.waiting_since = None
+            if kind == "mark":
+                self.marks.append(self.now)
+                self.lane_pos += 1
+                continue
+            self.task_left = work
+            self.task_start = self.now
+            if work <= 0:
+                self._finish_task()
+
+    def _finish_task(self) -> None:
+        kind, label, work, _, on_done = self.lane[self.lane_pos]
+        self.busy.append((self.task_start, self.now))
+        if self.now > self.task_start:
+            self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 0, "ts": self.task_start * 1e6,
+                               "dur": (self.now - self.task_start) * 1e6, "args": {"kind": kind}})
+        self.task_left = None
+        self.lane_pos += 1
+        if on_done is not None:
+            on_done()
+
+
+def _always() -> bool:
+    return True
+
+
+# ------------------------------------------------------------ the strategies
+def _tensors_by_layer(profile: Profile) -> list[list[TensorSpec]]:
+    return [list(layer.tensors) for layer in profile.layers]
+
+
+def _ddp_buckets(profile: Profile, first: int, cap: int) -> list[list[tuple[int, TensorSpec]]]:
+    """DDP's buckets: parameters in reverse order, the first bucket capped at ``first`` bytes."""
+    buckets: list[list[tuple[int, TensorSpec]]] = [[]]
+    size, limit = 0, first
+    for li in range(len(profile.layers) - 1, -1, -1):
+        for t in reversed(profile.layers[li].tensors):
+            if buckets[-1] and size + t.nbytes > limit:
+                buckets.append([])
+                size, limit = 0, cap
+            buckets[-1].append((li, t))
+            size += t.nbytes
+    return [b for b in buckets if b]
+
+
+def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel,
+             settings: SimSettings | None = None) -> SimResult:
+    """Simulate ``settings.steps`` steps of ``strategy``; the result is per step, steady state."""
+    settings = settings or SimSettings()
+    model = parse_sim_strategy(strategy) if isinstance(strategy, str) else strategy
+    algorithm = model.algorithm or settings.algorithm
+    world = topology.world_size
+    if world < 1:
+        raise ValueError("the topology has no ranks")
+
+    def collective_s(nbytes: int) -> float:
+        return allreduce_s(topology, nbytes, algorithm) if world > 1 else 0.0
+
+    sim = _Sim(profile, collective_s)
+    layers = profile.layers
+    n_layers = len(layers)
+    ready_at = profile.ready_times()
+    steps = settings.steps
+    cross = model.kind == "commsched"
+    # per (step, layer): gradients of that layer reduced (for the next forward / the optimizer)
+    layer_left: dict[tuple[int, int], int] = {}
+    step_left: dict[int, int] = {}
+
+    def reduced(step: int, layer: int, count: int = 1) -> None:
+        layer_left[(step, layer)] -= count
+        step_left[step] -= count
+
+    pieces_total = [0]
+    # ---- commsched: the scheduler's own objects and policy
+    policy = replay_policy(model.ordering, UNLIMITED if model.ordering == "fifo" else settings.credit_bytes)
+    partition = UNLIMITED if model.ordering == "fifo" else settings.partition_bytes
+    unstarted = Unstarted()
+    in_flight = [0]
+    seq = [0]
+    layer_of: dict[int, int] = {}  # id(task) -> its layer
+    priorities = {t.name: i for i, t in enumerate(t for layer in layers for t in layer.tensors)}
+
+    def dispatch(step: int) -> None:
+        while True:
+            piece = policy.next(unstarted, step, in_flight[0])
+            if piece is None:
+                return
+            in_flight[0] += piece.nbytes
+            pieces_total[0] += 1
+
+            def done(piece: Piece = piece) -> None:
+                in_flight[0] -= piece.nbytes
+                piece.task.remaining -= 1
+                if piece.task.remaining == 0:
+                    reduced(piece.task.step, layer_of.pop(id(piece.task)))
+                dispatch(piece.task.step)
+            sim.send(piece.nbytes, piece.name, done, extra_s=profile.per_piece_cpu_s)
+
+    def commsched_ready(step: int, li: int) -> Callable[[], None]:
+        def fire() -> None:
+            for t in layers[li].tensors:
+                bounds = piece_bounds(t.numel, t.element_size, partition)
+                task = Task(name=t.name, tensor=None, priority=priorities[t.name], step=step, seq=seq[0],
+                            future=None, on_done=None, submitted_us=sim.now * 1e6)
+                layer_of[id(task)] = li
+                seq[0] += 1
+                task.remaining = len(bounds)
+                if not bounds:
+                    reduced(step, li)
+                for index, (lo, hi) in enumerate(bounds):
+                    policy.add(Piece(task, index, lo, hi, (hi - lo) * t.element_size, None, f"{t.name}#{index}"))
+            dispatch(step)
+        return fire
+
+    # ---- peers
+    buckets = _ddp_buckets(profile, settings.ddp_first_bucket_bytes, model.bucket_bytes or settings.ddp_bucket_bytes)
+    bucket_of = {t.name: b for b, bucket in enumerate(buckets) for _, t in bucket}
+    ddp_state: dict[int, dict[str, Any]] = {}
+
+    def ddp_ready(step: int, li: int) -> Callable[[], None]:
+        def fire() -> None:
+            st = ddp_state.setdefault(step, {"left": [len(b) for b in buckets], "next": 0})
+            for t in layers[li].tensors:
+                st["left"][bucket_of[t.name]] -= 1
+            while st["next"] < len(buckets) and st["left"][st["next"]] == 0:  # buckets go in order
+                bucket = buckets[st["next"]]
+                st["next"] += 1
+                pieces_total[0] += 1
+
+                def done(bucket: list = bucket) -> None:
+                    for lj, _ in bucket:
+                        reduced(step, lj)
+                sim.send(sum(t.nbytes for _, t in bucket), f"bucket{st['next'] - 1}", done)
+        return fire
+
+    hvd_ready: list[tuple[int, int, TensorSpec]] = []
+    hvd_timer = [False]
+
+    def hvd_cycle() -> None:
+        hvd_timer[0] = False
+        while hvd_ready:
+            group, size = [], 0
+            while hvd_ready and (not group or size + hvd_ready[0][2].nbytes <= settings.horovod_fusion_bytes):
+                item = hvd_ready.pop(0)
+                group.append(item)
+                size += item[2].nbytes
+            pieces_total[0] += 1
+
+            def done(group: list = group) -> None:
+                for step, lj, _ in group:
+                    reduced(step, lj)
+            sim.send(size, f"fused x{len(group)}", done)
+
+    def horovod_ready(step: int, li: int) -> Callable[[], None]:
+        def fire() -> None:
+            hvd_ready.extend((step, li, t) for t in layers[li].tensors)
+            if not hvd_timer[0]:
+                hvd_timer[0] = True
+                sim.after(settings.horovod_cycle_s, hvd_cycle)
+        return fire
+
+    def allreduce_after_backward(step: int) -> Callable[[], None]:
+        def fire() -> None:
+            pieces_total[0] += 1
+            sim.send(profile.grad_bytes, "flat all-reduce",
+                     lambda: [reduced(step, li, len(layers[li].tensors)) for li in range(n_layers)])
+        return fire
+
+    on_ready = {"commsched": commsched_ready, "ddp": ddp_ready, "horovod": horovod_ready}.get(model.kind)
+
+    # ---- the program of the compute lane
+    def layer_done(step: int, li: int) -> Callable[[], bool]:
+        return lambda: step < 0 or layer_left.get((step, li), 0) == 0
+
+    def step_done(step: int) -> Callable[[], bool]:
+        return lambda: step < 0 or step_left.get(step, 0) == 0
+
+    lane = sim.lane
+    for s in range(steps):
+        for li in range(n_layers):
+            layer_left[(s, li)] = len(layers[li].tensors)
+        step_left[s] = sum(len(layer.tensors) for layer in layers)
+        lane.append(("mark", f"step {s}", 0.0, (layer_done(s - 1, 0) if cross else _always), None))
+        if profile.step_overhead_s:
+            lane.append(("overhead", "step overhead", profile.step_overhead_s, _always, None))
+        for li, layer in enumerate(layers):
+            if cross:  # the next forward applies layer i once its own gradients are reduced
+                lane.append(("apply", f"apply {layer.name}", layer.apply_s, layer_done(s - 1, li), None))
+            lane.append(("forward", f"fwd {layer.name}", layer.forward_s, _always, None))
+        # backward, cut at the ready times: the gradients of a layer are handed over at its ready time
+        order = sorted(range(n_layers), key=lambda i: (ready_at[i], -i))
+        previous = 0.0
+        for li in order:
+            fire = on_ready(s, li) if on_ready is not None else None
+            lane.append(("backward", f"bwd {layers[li].name}", max(0.0, ready_at[li] - previous), _always, fire))
+            previous = max(previous, ready_at[li])
+        rest = profile.backward_s - previous
+        if rest > 0:
+            lane.append(("backward", "bwd (rest)", rest, _always, None))
+        if model.kind == "allreduce":
+            lane.append(("fire", "all-reduce", 0.0, _always, allreduce_after_backward(s)))
+        if not cross:  # DDP blocks in backward, Horovod in step(), allreduce in its step: then the optimizer
+            lane.append(("apply", "optimizer step", profile.apply_s, step_done(s), None))
+    # the boundary after the last step is where a next step would start
+    lane.append(("mark", "end", 0.0, (layer_done(steps - 1, 0) if cross else _always), None))
+    sim.run()
+
+    marks = sim.marks  # step 0 .. steps-1 starts, then the end
+    durations = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    measured = durations[1:]  # step 0 has no previous step to overlap with
+    window = (marks[1], marks[-1])
+    n = len(measured)
+    exposed = _overlap(sim.waits, window) / n
+    net = _overlap(sim.net_spans, window) / n
+    overlap = 0.0 if net <= 0 else min(1.0, max(0.0, 1.0 - exposed / net))
+    return SimResult(strategy=model.name, step_time_s=sum(measured) / n, exposed_comm_s=exposed, comm_busy_s=net,
+                     compute_s=_overlap(sim.busy, window) / n, overlap_ratio=overlap,
+                     pieces_per_step=pieces_total[0] / steps, step_times_s=measured, trace=sim.trace)
+
+
+def _overlap(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    lo, hi = window
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+
+
+def simulate_all(profile: Profile, topology: Topology, strategies: list[str],
+                 settings: SimSettings | None = None) -> list[SimResult]:
+    """:func:`simulate` for each strategy, in the order given."""
+    return [simulate(profile, topology, name, settings) for name in strategies]

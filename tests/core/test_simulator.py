@@ -1,0 +1,146 @@
+"""The simulator against closed forms: no overlap = compute + comm, the physics bound,
+earliest-due-date order on one link, DDP buckets, and the shape of its report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commsched.costmodel.collectives import allreduce_s
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+from commsched.costmodel.simulator import SimSettings, parse_sim_strategy, simulate
+from commsched.costmodel.topology import Link, Topology
+
+MB = 1 << 20
+
+
+def flat(world: int = 2, bandwidth: float = 125e6, alpha: float = 0.0) -> Topology:
+    link = Link(alpha_s=alpha, bandwidth=bandwidth)
+    return Topology(nodes=world, ranks_per_node=1, intra=link, inter=link)
+
+
+def profile_of(sizes_mb: list[float], fwd: float = 0.01, bwd: float = 0.02, apply: float = 0.001,
+               contention: float = 1.0) -> Profile:
+    layers = tuple(LayerProfile(name=f"l{i}", forward_s=fwd, backward_s=bwd, apply_s=apply,
+                                tensors=(TensorSpec(f"l{i}.w", int(mb * MB) // 4, 4),))
+                   for i, mb in enumerate(sizes_mb))
+    return Profile(layers=layers, contention=contention, per_piece_cpu_s=0.0)
+
+
+def test_no_overlap_costs_compute_plus_one_flat_allreduce():
+    prof, topo = profile_of([4, 4, 8]), flat()
+    result = simulate(prof, topo, "allreduce")
+    expected = prof.compute_s + allreduce_s(topo, prof.grad_bytes, "ring")
+    assert result.step_time_s == pytest.approx(expected, rel=1e-9)
+    assert result.exposed_comm_s == pytest.approx(allreduce_s(topo, prof.grad_bytes, "ring"), rel=1e-9)
+    assert result.overlap_ratio == pytest.approx(0.0, abs=1e-9)
+
+
+def test_one_rank_has_nothing_to_communicate():
+    prof = profile_of([4, 4])
+    one = Topology(nodes=1, ranks_per_node=1, intra=Link(0.0, 1e9), inter=Link(0.0, 1e9))
+    for name in ("ddp", "dynamic", "allreduce", "fifo"):
+        assert simulate(prof, one, name).step_time_s == pytest.approx(prof.compute_s, rel=1e-9), name
+    # Horovod's background thread still waits one cycle for the tensors of a step
+    cycle = SimSettings().horovod_cycle_s
+    assert simulate(prof, one, "horovod").step_time_s == pytest.approx(prof.compute_s + cycle, rel=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.floats(0.05, 20.0), min_size=1, max_size=6),
+       fwd=st.floats(0.0, 0.05), bwd=st.floats(0.001, 0.1), bandwidth=st.floats(2e7, 2e9),
+       contention=st.floats(1.0, 1.5),
+       name=st.sampled_from(["ddp", "ddp:1", "horovod", "allreduce", "fifo", "dynamic", "static"]))
+def test_no_strategy_beats_max_of_compute_and_comm_nor_loses_to_their_sum(sizes, fwd, bwd, bandwidth,
+                                                                         contention, name):
+    prof, topo = profile_of(sizes, fwd, bwd, contention=contention), flat(bandwidth=bandwidth, alpha=1e-4)
+    result = simulate(prof, topo, name, SimSettings(partition_bytes=MB, credit_bytes=2 * MB))
+    comm = result.comm_busy_s
+    cycle = SimSettings().horovod_cycle_s if name == "horovod" else 0.0  # Horovod's background cycle
+    assert result.step_time_s >= max(prof.compute_s, comm) * (1 - 1e-9)
+    assert result.step_time_s <= (prof.compute_s * contention + comm + cycle) * (1 + 1e-9) + 1e-12
+    assert 0.0 <= result.overlap_ratio <= 1.0
+
+
+def _edd_reference(release: list[float], due: list[int], sizes: list[int], piece: int, bandwidth: float
+                   ) -> list[str]:
+    """Earliest-due-date on one link, preemptive at piece boundaries (written independently)."""
+    jobs = []  # (release, due, piece index, name, seconds)
+    for i, (r, d, nbytes) in enumerate(zip(release, due, sizes, strict=True)):
+        for k in range(-(-nbytes // piece)):
+            jobs.append((r, d, k, f"l{i}.w#{k}", min(piece, nbytes - k * piece) / bandwidth))
+    t, order, pending = 0.0, [], list(jobs)
+    while pending:
+        ready = [j for j in pending if j[0] <= t + 1e-12]
+        if not ready:
+            t = min(j[0] for j in pending)
+            continue
+        job = min(ready, key=lambda j: (j[1], j[0], j[2]))  # most urgent due date, then release, then index
+        pending.remove(job)
+        order.append(job[3])
+        t += job[4]
+    return order
+
+
+def test_priority_and_partition_on_one_link_is_earliest_due_date_order():
+    # Backward makes the last layer ready first; the next forward needs layer 0 first.
+    sizes_mb = [3, 1, 2, 4]
+    bwd = 0.004
+    prof = profile_of(sizes_mb, fwd=0.0, bwd=bwd)
+    topo = flat(bandwidth=1e9)
+    piece = MB // 4
+    result = simulate(prof, topo, "dynamic", SimSettings(partition_bytes=piece, credit_bytes=piece, steps=3))
+    ready = prof.ready_times()
+    step1 = [e for e in result.trace if e.get("tid") == 1]
+    # the first step's pieces: those issued before the second step's first piece
+    names = [e["name"] for e in step1]
+    first = names[: sum(-(-int(mb * MB) // piece) for mb in sizes_mb)]
+    sizes = [int(mb * MB) for mb in sizes_mb]
+    ring = allreduce_s(topo, piece, "ring") / piece  # seconds per byte of this link, per piece
+    assert first == _edd_reference(ready, list(range(len(sizes))), sizes, piece, 1 / ring)
+
+
+def test_ddp_sends_buckets_in_reverse_order_with_a_small_first_bucket():
+    prof = profile_of([10, 10, 0.5, 0.25])  # the last layers are ready first
+    result = simulate(prof, flat(), "ddp", SimSettings(ddp_bucket_bytes=25 * MB, ddp_first_bucket_bytes=MB))
+    buckets = [e for e in result.trace if e.get("tid") == 1]
+    sizes = [e["args"]["bytes"] for e in buckets[:2]]
+    assert sizes == [int(0.75 * MB), 20 * MB]  # 0.25 + 0.5 MB under the 1 MiB first cap, then 10 + 10 under 25
+    assert result.pieces_per_step == 2
+
+
+def test_cross_iteration_hides_communication_that_ddp_exposes_when_layer0_is_small():
+    # comm-bound with a big last layer: DDP waits for everything before the next forward,
+    # dynamic lets the next forward start as soon as layer 0 is back.
+    prof = profile_of([0.5, 8, 8, 16], fwd=0.02, bwd=0.04)
+    topo = flat(bandwidth=250e6)
+    ddp, dyn = simulate(prof, topo, "ddp"), simulate(prof, topo, "dynamic")
+    assert dyn.step_time_s < ddp.step_time_s
+    assert dyn.exposed_comm_s < ddp.exposed_comm_s
+
+
+def test_the_trace_is_chrome_json_with_compute_and_network_lanes():
+    result = simulate(profile_of([2, 2]), flat(), "dynamic")
+    doc = json.loads(result.trace_json())
+    lanes = {e["tid"] for e in doc["traceEvents"]}
+    assert lanes == {0, 1}
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in doc["traceEvents"])
+
+
+@pytest.mark.parametrize("bad", ["ddp:0", "ddp:x", "dynamic:3", "nccl", ""])
+def test_unknown_or_malformed_strategies_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match="strategy|known"):
+        parse_sim_strategy(bad)
+
+
+def test_a_70b_decoder_on_128_ranks_is_bound_by_its_gradient_bytes():
+    zoo = pytest.importorskip("commsched.costmodel.zoo")
+    prof = zoo.zoo_profile("gpt-70b", "h100")
+    topo = Topology.described("16x8", intra="900GB/s", inter="100gbit")
+    result = simulate(prof, topo, "dynamic", SimSettings(steps=3, partition_bytes=64 * MB, credit_bytes=256 * MB))
+    # a flat ring moves 2(n-1)/n of the gradient through every rank's slowest link: seconds, not ms
+    floor = 2 * 127 / 128 * prof.grad_bytes / topo.inter.bandwidth
+    assert result.step_time_s >= floor
