@@ -32,6 +32,9 @@ SUBCOMMANDS = {
              "the quick benchmark (make demo): 2 workers, 1 Gbit/s, DDP vs commsched dynamic (needs torch)"),
     "launch": ("commsched.plugins.mxnet.launch",
                "start an MXNet parameter-server job on this machine (needs mxnet)"),
+    "profile": ("commsched.plugins.torch.profiler",
+                "per-layer profile of a benchmark workload as `commsched bench` runs it, for the simulator "
+                "(needs torch)"),
 }
 
 

@@ -1,0 +1,798 @@
+"""Measure a :class:`commsched.costmodel.Profile` of a PyTorch training step.
+
+Three entry points:
+
+* :func:`profile_model` — time a model's steps in this process (tests, notebooks);
+* :func:`load_or_profile` / ``commsched profile`` — profile a benchmark workload the
+  way ``commsched bench`` runs it: on the same emulated cluster, every rank computing
+  at once, with the bench's own baseline phase run first; cached per workload, batch
+  size, cluster flags and machine (what ``commsched simulate --workload W`` reads);
+* ``DistributedOptimizer.profile()`` — the recorded steps of a user's own training
+  (:class:`StepRecorder`, always on, a bounded ring of the last steps).
+
+What a layer is, and how its times are cut (the same in all three):
+
+* a *layer* is a module that owns parameters (``recurse=False``), in the order of
+  its first forward pre-hook: the order DistributedOptimizer gives its priorities.
+  A parameter belongs to the first layer that uses it (tied weights: once). Its
+  tensors carry the names of ``model.named_parameters()``, as the scheduler gets them.
+* ``forward_s`` of layer *i* is the time from the end of its pre-hook (where
+  DistributedOptimizer waits for and applies its parameters) to the start of layer
+  *i+1*'s pre-hook; the last layer's runs to the end of forward (:func:`profile_model`
+  and the workload profile: to the loss, as the bench times forward). So the code
+  between layers (activations, reshapes) counts where a cross-iteration step runs it.
+* ``ready_s``: from the start of backward to the last post-accumulate-grad hook of
+  the layer's tensors. ``backward_s`` of a layer is the time from the previous ready
+  layer (in reverse forward order) to its own readiness, so the backward times add up
+  to the last ready time and ``ready_s`` is their running sum.
+* ``apply_s``: the user's optimizer class applied to the layer's parameters one
+  parameter at a time, as DistributedOptimizer applies them (one instance per
+  parameter sharing the wrapped optimizer's ``state``).
+* everything else of the step (``zero_grad``, code before the first layer, the end of
+  backward after the last gradient) is ``step_overhead_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+
+__all__ = ["StepRecorder", "add_arguments", "cache_path", "load_or_profile", "machine_fingerprint",
+           "profile_model", "profile_workload", "run"]
+
+log = logging.getLogger(__name__)
+
+#: Steps kept by :class:`StepRecorder` (the last ones are what ``opt.profile()`` describes).
+RECORDED_STEPS = 8
+#: Default cache of workload profiles.
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
+#: Bump when what a cached profile means changes: older cache entries are then ignored.
+CACHE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- recording
+@dataclass
+class _Pass:
+    """Timestamps (perf_counter seconds) of one forward + backward."""
+
+    start: float
+    layer_in: dict[int, float] = field(default_factory=dict)   # layer -> its first pre-hook begins
+    layer_out: dict[int, float] = field(default_factory=dict)  # layer -> after the optimizer's pre-hook
+    waited: dict[int, float] = field(default_factory=dict)     # layer -> wait (bubble) inside that pre-hook
+    forward_end: float | None = None
+    backward_start: float | None = None
+    ready: dict[int, float] = field(default_factory=dict)      # layer -> its last gradient accumulated
+    apply_whole_s: float | None = None                         # the wrapped optimizer's own step()
+    step_wait_s: float = 0.0                                   # waits in step() (synchronous path)
+    backward_end: float | None = None                          # loss.backward() returned (when known)
+    end: float | None = None                                   # the next pass's start
+
+
+class StepRecorder:
+    """Hooks on ``model`` that time the layers of each forward and backward.
+
+    ``params``: ``(name, parameter)`` pairs the profile names (the scheduler's names).
+    ``waited``: a running counter of seconds blocked on communication (the
+    optimizer's bubble) that the recorder reads before and after each pre-hook, so
+    waiting is not counted as apply time. Keeps the last ``keep`` passes
+    (a ring: memory and cost stay bounded however long training runs).
+
+    Hook order, so that a layer's pre-hook interval brackets DistributedOptimizer's
+    wait-and-apply: ``layer_in`` is a prepended pre-hook, ``layer_out`` a pre-hook
+    registered after the optimizer's. Cost: four ``perf_counter`` calls and a few
+    dict stores per layer and step, one per parameter in backward (see
+    docs/simulator.md for the measured overhead).
+    """
+
+    def __init__(self, model: nn.Module, params: Sequence[tuple[str, torch.Tensor]], *,
+                 waited: Callable[[], float] | None = None, keep: int = RECORDED_STEPS) -> None:
+        self.model = model
+        self._names = {id(p): n for n, p in params}
+        self._params = {id(p): p for _, p in params}
+        self._waited = waited or (lambda: 0.0)
+        self.passes: deque[_Pass] = deque(maxlen=keep)
+        self._current: _Pass | None = None
+        self._layer_of_module: dict[int, int] = {}     # id(module) -> layer index (fixed after the first pass)
+        self.layers: list[tuple[str, list[str]]] = []  # (module name, tensor names) in forward order
+        self._layer_of_param: dict[int, int] = {}
+        self._claimed: set[int] = set()
+        self._wait_mark = 0.0
+        self.handles: list[Any] = []
+        module_names = {id(m): n for n, m in model.named_modules()}
+        self.handles.append(model.register_forward_pre_hook(self._root_pre, prepend=True))
+        self.handles.append(model.register_forward_hook(self._root_post))
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self._params]
+            if own:
+                name = module_names.get(id(module)) or type(module).__name__
+                self.handles.append(module.register_forward_pre_hook(self._make_in(module, name, own),
+                                                                     prepend=True))
+                self.handles.append(module.register_forward_pre_hook(self._make_out(module)))
+        for _, p in params:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._make_ready(p)))
+
+    # hooks -----------------------------------------------------------------
+    def _root_pre(self, _module: nn.Module, _args: Any) -> None:
+        now = time.perf_counter()
+        if self._current is not None:
+            self._current.end = now
+            self.passes.append(self._current)
+        self._current = _Pass(start=now)
+
+    def _root_post(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        cur = self._current
+        if cur is None:
+            return
+        cur.forward_end = time.perf_counter()
+        tensor = _first_grad_tensor(output)
+        if tensor is not None and torch.is_grad_enabled():
+            def started(grad: torch.Tensor) -> None:  # the gradient reached the model's output
+                if cur.backward_start is None:
+                    cur.backward_start = time.perf_counter()
+            tensor.register_hook(started)
+
+    def _make_in(self, module: nn.Module, name: str, own: list[torch.Tensor]) -> Callable:
+        key = id(module)
+
+        def hook(_module: nn.Module, _args: Any) -> None:
+            cur = self._current
+            if cur is None:
+                return
+            index = self._layer_of_module.get(key)
+            if index is None:  # the first time this module runs: claim its unclaimed parameters
+                fresh = [p for p in own if id(p) not in self._claimed]
+                if not fresh:
+                    return
+                index = len(self.layers)
+                self._layer_of_module[key] = index
+                self.layers.append((name, [self._names[id(p)] for p in fresh]))
+                for p in fresh:
+                    self._claimed.add(id(p))
+                    self._layer_of_param[id(p)] = index
+            if index not in cur.layer_in:
+                self._wait_mark = self._waited()
+                cur.layer_in[index] = time.perf_counter()
+        return hook
+
+    def _make_out(self, module: nn.Module) -> Callable:
+        key = id(module)
+
+        def hook(_module: nn.Module, _args: Any) -> None:
+            cur = self._current
+            index = self._layer_of_module.get(key)
+            if cur is None or index is None or index in cur.layer_out:
+                return
+            cur.layer_out[index] = time.perf_counter()
+            cur.waited[index] = max(0.0, self._waited() - self._wait_mark)
+        return hook
+
+    def _make_ready(self, param: torch.Tensor) -> Callable:
+        key = id(param)
+
+        def hook(_p: torch.Tensor) -> None:
+            cur = self._current
+            index = self._layer_of_param.get(key)
+            if cur is not None and index is not None:
+                cur.ready[index] = time.perf_counter()
+        return hook
+
+    # driven by the training loop or the optimizer's step hooks --------------
+    def mark(self, **values: float) -> None:
+        """Set fields of the current pass (``backward_start``, ``apply_whole_s``, ...)."""
+        if self._current is not None:
+            for key, value in values.items():
+                setattr(self._current, key, value)
+
+    def finish(self) -> None:
+        """Close the current pass now (its ``end``), e.g. after the last step."""
+        if self._current is not None:
+            self._current.end = time.perf_counter()
+            self.passes.append(self._current)
+            self._current = None
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def orphans(self) -> list[str]:
+        """Parameter names no layer claimed (never used inside their own module's forward)."""
+        return [n for pid, n in self._names.items() if pid not in self._claimed and self._params[pid].requires_grad]
+
+
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    for item in values:
+        found = _first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _median(values: Iterable[float]) -> float:
+    s = sorted(values)
+    if not s:
+        return 0.0
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+@dataclass
+class _Cut:
+    """Per-layer medians of the passes, in forward order, before any scaling."""
+
+    forward: list[float]
+    backward: list[float]
+    ready: list[float]
+    waited: list[float]
+    pre_forward: float        # root start -> first layer (code before the first layer)
+    forward_total: float      # root start -> forward end
+    backward_total: float     # backward start -> end of backward (or last gradient)
+    step_total: float         # one pass start -> the next
+    step_wait: float
+    apply_whole: float | None
+    passes: int
+
+
+def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
+         backward_end: str | None = None) -> _Cut:
+    """Cut each pass into layers (module docstring) and take per-layer medians."""
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    rdy: list[list[float]] = [[] for _ in range(n)]
+    wt: list[list[float]] = [[] for _ in range(n)]
+    pre, ftot, btot, stot, swait, whole = [], [], [], [], [], []
+    used = 0
+    for p in passes:
+        end_f = getattr(p, forward_end)
+        if len(p.layer_in) < n or end_f is None or p.backward_start is None:
+            continue  # a pass that did not run every layer (eval, partial) says nothing about the step
+        used += 1
+        for i in range(n):
+            nxt = p.layer_in[i + 1] if i + 1 < n else end_f
+            fwd[i].append(max(0.0, nxt - p.layer_out.get(i, p.layer_in[i])))
+            wt[i].append(p.waited.get(i, 0.0))
+        pre.append(p.layer_in[0] - p.start)
+        ftot.append(end_f - p.start)
+        later = 0.0
+        for i in range(n - 1, -1, -1):
+            r = p.ready[i] - p.backward_start if i in p.ready else later
+            rdy[i].append(max(r, later))
+            bwd[i].append(max(0.0, r - later))
+            later = max(later, r)
+        b_end = getattr(p, backward_end) if backward_end else None
+        btot.append((b_end - p.backward_start) if b_end is not None else later)
+        if p.end is not None:
+            stot.append(p.end - p.start)
+        swait.append(p.step_wait_s)
+        if p.apply_whole_s is not None:
+            whole.append(p.apply_whole_s)
+    if not used:
+        raise ValueError("no complete step was recorded (each needs a forward that ran every layer and a "
+                         "backward); run a few training steps first")
+    return _Cut([_median(v) for v in fwd], [_median(v) for v in bwd], [_median(v) for v in rdy],
+                [_median(v) for v in wt], _median(pre), _median(ftot), _median(btot), _median(stot),
+                _median(swait), _median(whole) if whole else None, used)
+
+
+def _scale(values: list[float], target: float, rest: float = 0.0) -> tuple[list[float], float]:
+    """Scale ``values`` (and ``rest``) by one factor so that together they sum to ``target``."""
+    total = sum(values) + rest
+    factor = target / total if total > 0 else 1.0
+    return [v * factor for v in values], factor
+
+
+def _tensor_specs(names: Sequence[str], params: dict[str, torch.Tensor]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(n, params[n].numel(), params[n].element_size()) for n in names)
+
+
+# --------------------------------------------------------------------- apply per layer
+def _per_parameter_optimizers(optimizer: torch.optim.Optimizer) -> dict[int, torch.optim.Optimizer]:
+    """One instance of the user's optimizer class per parameter, sharing ``state``: how
+    DistributedOptimizer applies a layer's update in the next forward."""
+    subs = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            sub = type(optimizer)([{**group, "params": [p]}])
+            sub.state = optimizer.state
+            subs[id(p)] = sub
+    return subs
+
+
+def _time_apply(layers: Sequence[Sequence[torch.Tensor]], subs: dict[int, torch.optim.Optimizer]) -> list[float]:
+    out = []
+    for params in layers:
+        t0 = time.perf_counter()
+        for p in params:
+            if p.grad is not None:
+                subs[id(p)].step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ------------------------------------------------------------------------ one process
+def profile_model(model: nn.Module, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                  optimizer: torch.optim.Optimizer, *, steps: int = 5, warmup: int = 1,
+                  barrier: Callable[[], None] | None = None, source: str = "profile_model",
+                  batch_size: int | None = None) -> Profile:
+    """Time ``steps`` training steps (after ``warmup``) of ``model`` on ``(x, y)`` in this process.
+
+    Each step is the bench's (``zero_grad``, forward + loss, ``backward``, ``step``);
+    ``barrier`` (e.g. ``dist.barrier``) runs before each so that every rank of a group
+    computes at once, as the bench's baseline does. Per-layer medians are scaled by one
+    factor per phase so that forward (with the code before the first layer) sums to
+    the median forward, backward (with its tail after the last gradient) to the median
+    backward, and the per-parameter applies to the median ``optimizer.step()`` times
+    the measured ratio per-parameter / whole: :attr:`Profile.compute_s` is the median
+    step as a cross-iteration step runs it. ``meta`` has the unscaled medians.
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    recorder = StepRecorder(model, named, keep=steps + warmup)
+    phases: list[tuple[float, float, float]] = []
+    wait = barrier or (lambda: None)
+    try:
+        for i in range(warmup + steps):
+            wait()
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            t1 = time.perf_counter()
+            recorder.mark(forward_end=t1, backward_start=t1)
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            recorder.mark(backward_end=t2, apply_whole_s=t3 - t2)
+            recorder.finish()
+            recorder.passes[-1].start = t0  # the step starts at zero_grad, as the bench times it
+            if i >= warmup:
+                phases.append((t1 - t0, t2 - t1, t3 - t2))
+        layer_params = {n: p for n, p in named}
+        layers = list(recorder.layers)
+        orphans = recorder.orphans()
+        passes = list(recorder.passes)[warmup:]
+        # Per-parameter applies, timed on the gradients of the last backward (left in p.grad).
+        subs = _per_parameter_optimizers(optimizer)
+        groups = [[layer_params[n] for n in names] for _, names in layers]
+        apply_runs, whole_runs = [], []
+        for _ in range(steps):
+            wait()
+            apply_runs.append(_time_apply(groups, subs))
+            wait()
+            t0 = time.perf_counter()
+            optimizer.step()
+            whole_runs.append(time.perf_counter() - t0)
+    finally:
+        recorder.remove()
+        optimizer.zero_grad(set_to_none=True)
+    if orphans:
+        raise ValueError(f"parameters {orphans} are never used inside their own module's forward; "
+                         "profile_model cannot place them in a layer")
+    cut = _cut(passes, len(layers), backward_end="backward_end")
+    unscaled = {"forward_s": cut.forward, "backward_s": cut.backward, "ready_s": cut.ready,
+                "pre_forward_s": cut.pre_forward, "backward_tail_s": max(0.0, cut.backward_total - sum(cut.backward)),
+                "apply_s": [_median(r[i] for r in apply_runs) for i in range(len(layers))],
+                "optimizer_step_s": _median(whole_runs), "measured_steps": cut.passes}
+    tensors = [_tensor_specs(names, layer_params) for _, names in layers]
+    return _build([name for name, _ in layers], tensors, unscaled, source=source, batch_size=batch_size,
+                  forward_s=_median(p[0] for p in phases), backward_s=_median(p[1] for p in phases),
+                  optimizer_s=_median(p[2] for p in phases))
+
+
+def _build(names: list[str], tensors: list[tuple[TensorSpec, ...]], unscaled: dict[str, Any], *, source: str,
+           batch_size: int | None, forward_s: float, backward_s: float, optimizer_s: float,
+           contention: float = 1.0, meta: dict | None = None) -> Profile:
+    """The Profile: the ``unscaled`` per-layer medians scaled to the phase totals
+    ``forward_s``/``backward_s``/``optimizer_s`` (module docstring of :func:`profile_model`)."""
+    pre, bwd_tail = unscaled["pre_forward_s"], unscaled["backward_tail_s"]
+    pre_and_fwd, f_factor = _scale(unscaled["forward_s"], forward_s, pre)
+    bwd, b_factor = _scale(unscaled["backward_s"], backward_s, bwd_tail)
+    whole_local = unscaled["optimizer_step_s"]
+    a_factor = optimizer_s / whole_local if whole_local > 0 else 1.0
+    applied = [a * a_factor for a in unscaled["apply_s"]]
+    layers = names
+    ready, later = [0.0] * len(layers), 0.0
+    for i in range(len(layers) - 1, -1, -1):
+        later += bwd[i]
+        ready[i] = later
+    overhead = pre * f_factor + bwd_tail * b_factor
+    out = [LayerProfile(name=name, forward_s=pre_and_fwd[i], backward_s=bwd[i], apply_s=applied[i],
+                        ready_s=ready[i], tensors=tensors[i]) for i, name in enumerate(layers)]
+    info = {
+        "scaling": ("per-layer medians x one factor per phase so they sum to the phase totals: "
+                    "forward (+ code before the first layer) to forward_s, backward (+ tail after the last "
+                    "gradient) to backward_s, per-parameter apply x optimizer_s / whole optimizer.step() "
+                    "timed with it"),
+        "scale_forward": f_factor, "scale_backward": b_factor, "scale_apply": a_factor,
+        "forward_s": forward_s, "backward_s": backward_s,
+        "optimizer_step_s": optimizer_s,  # the wrapped optimizer's own step() over all parameters
+        "apply_per_parameter_s": sum(applied),  # the same update, one parameter at a time
+        "measured_steps": unscaled["measured_steps"], "unscaled": unscaled,
+    }
+    info.update(meta or {})
+    return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=contention,
+                   step_overhead_s=overhead, meta=info)
+
+
+# ------------------------------------------------------------- DistributedOptimizer's
+def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_size: int,
+                     batch_size: int | None = None, source: str = "DistributedOptimizer.profile") -> Profile:
+    """The profile of the passes ``recorder`` kept (``DistributedOptimizer.profile()``).
+
+    Times are as training ran them, so they already include the slowdown by the
+    communication that overlapped them (``contention`` is 1: it is in the numbers).
+    Cross-iteration: ``apply_s`` is the time of each layer's pre-hook minus its wait
+    (the optimizer's bubble). Synchronous: the wrapped ``optimizer.step()`` of all
+    parameters is split over the layers in proportion to their gradient bytes.
+    ``step_overhead_s`` is the rest of the median step: loss, user code, waits are not in it
+    (``meta['bubble_s']`` has them).
+    """
+    passes = [p for p in recorder.passes if p.end is not None]
+    if len(passes) > 1:
+        passes = passes[1:]  # the first recorded pass learns the order and has no update to apply
+    layers = list(recorder.layers)
+    if not layers:
+        raise ValueError("no step was recorded yet; run a few training steps before profile()")
+    params = {n: p for p in recorder._params.values() for n in [recorder._names[id(p)]]}
+    cut = _cut(passes, len(layers))
+    sizes = [sum(params[n].numel() * params[n].element_size() for n in names) for _, names in layers]
+    if cross_iteration:
+        apply = []
+        for i in range(len(layers)):
+            spans = [p.layer_out[i] - p.layer_in[i] - p.waited.get(i, 0.0) for p in passes
+                     if i in p.layer_out and i in p.layer_in]
+            apply.append(max(0.0, _median(spans)))
+        whole = sum(apply)
+    else:
+        whole = cut.apply_whole or 0.0
+        apply = [whole * s / max(1, sum(sizes)) for s in sizes]
+    bubble = sum(cut.waited) + cut.step_wait
+    rest = cut.step_total - sum(cut.forward) - sum(cut.backward) - sum(apply) - bubble
+    out = []
+    later = 0.0
+    for i in range(len(layers) - 1, -1, -1):
+        later = max(later, cut.ready[i])
+    for i, (name, names) in enumerate(layers):
+        out.append(LayerProfile(name=name, forward_s=cut.forward[i], backward_s=cut.backward[i], apply_s=apply[i],
+                                ready_s=cut.ready[i], tensors=_tensor_specs(names, params)))
+    meta = {
+        "cross_iteration": cross_iteration, "world_size": world_size, "measured_steps": cut.passes,
+        "step_s": cut.step_total, "bubble_s": bubble, "wait_per_layer_s": cut.waited,
+        "optimizer_step_s": whole, "orphans": recorder.orphans(),
+        "note": "times measured during training, under its communication: contention is included in them",
+    }
+    return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=1.0,
+                   step_overhead_s=max(0.0, rest), meta=meta)
+
+
+# ------------------------------------------------------------------------- workloads
+def machine_fingerprint() -> dict[str, Any]:
+    """What a profile's times depend on besides the flags: CPU, cores, torch, commsched."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    from commsched._version import __version__
+    return {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
+            "commsched": __version__, "python": platform.python_version()}
+
+
+def _cache_key(workload: str, batch_size: int | None, workers: int, nodes: int, bandwidth: str | None,
+               intra_bandwidth: str | None, network: str, seed: int) -> dict[str, Any]:
+    return {"version": CACHE_VERSION, "workload": workload, "batch_size": batch_size, "workers": workers,
+            "nodes": nodes, "bandwidth": bandwidth, "intra_bandwidth": intra_bandwidth, "network": network,
+            "seed": seed, "machine": machine_fingerprint()}
+
+
+def cache_path(key: dict[str, Any], cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the profile of ``key`` is cached: ``<dir>/<workload>-<hash of the key>.json``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir or DEFAULT_CACHE_DIR) / f"{key['workload']}-{digest}.json"
+
+
+def _norm_rate(text: str | None) -> str | None:
+    from commsched.bench.netns import parse_rate
+    return None if parse_rate(text) is None else text
+
+
+def load_or_profile(workload: str, *, batch_size: int | None = None, workers: int = 2, nodes: int | None = None,
+                    bandwidth: str | None = "1gbit", intra_bandwidth: str | None = None, network: str = "netns",
+                    steps: int = 10, warmup: int = 3, seed: int = 0, cache: bool = True,
+                    cache_dir: str | os.PathLike | None = None, timeout_s: float = 900.0,
+                    log_stream: Any = sys.stderr) -> Profile:
+    """The profile of ``workload`` as ``commsched bench`` with the same flags runs it.
+
+    With ``cache`` a profile measured before on this machine with the same workload,
+    batch size and cluster flags is returned as stored; otherwise it is measured
+    (:func:`profile_workload`, about 4·steps + 2·steps steps of the workload plus
+    start-up) and stored. Raises ``ValueError`` on bad flags before anything runs,
+    ``RuntimeError`` when the measurement failed (its logs are named).
+    """
+    from commsched.plugins.torch.bench.workloads import get_workload
+    nodes = workers if nodes is None else nodes
+    _check_cluster(workers, nodes)
+    bandwidth, intra_bandwidth = _norm_rate(bandwidth), _norm_rate(intra_bandwidth)
+    batch = batch_size or get_workload(workload).batch_size
+    key = _cache_key(workload, batch, workers, nodes, bandwidth, intra_bandwidth, network, seed)
+    path = cache_path(key, cache_dir)
+    if cache and path.exists():
+        try:
+            return Profile.from_json(str(path))
+        except ValueError as exc:
+            log.warning("ignoring the unreadable cached profile %s: %s", path, exc)
+    prof = profile_workload(workload, batch_size=batch, workers=workers, nodes=nodes, bandwidth=bandwidth,
+                            intra_bandwidth=intra_bandwidth, network=network, steps=steps, warmup=warmup,
+                            seed=seed, timeout_s=timeout_s, log_stream=log_stream)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.meta["cache_key"] = key
+        tmp = path.with_suffix(".tmp")
+        prof.to_json(str(tmp))
+        os.replace(tmp, path)
+    return prof
+
+
+def _check_cluster(workers: int, nodes: int) -> None:
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    if nodes < 1 or workers % nodes:
+        raise ValueError(f"--nodes {nodes} must divide --workers {workers} (e.g. --workers 4 --nodes 2)")
+
+
+def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int, bandwidth: str | None,
+                     intra_bandwidth: str | None, network: str = "netns", steps: int = 10, warmup: int = 3,
+                     seed: int = 0, timeout_s: float = 900.0, log_stream: Any = sys.stderr) -> Profile:
+    """Measure ``workload`` on the bench's emulated cluster (always; see :func:`load_or_profile`).
+
+    One phase of the bench's runner with this module as the worker: every rank runs
+    the bench's baseline (``commsched.plugins.torch.bench.worker.run_baseline``: compute of
+    all ranks at once, one rank alone, a flat all-reduce, compute under it), then the
+    per-layer profile (:func:`profile_model`, all ranks at once behind a barrier).
+    Rank 0's per-layer times are scaled to the bench's totals (:func:`_build`):
+    forward, backward and optimizer of the slowest rank's medians, as
+    ``commsched bench`` reports ``compute_s``. ``contention`` is the bench's compute
+    under the all-reduce over compute, corrected when the all-reduce ended before
+    the compute did (``meta['contention']`` shows how).
+    """
+    import shutil
+
+    from commsched.bench.netns import NetworkSetupError, make_cluster
+    from commsched.bench.procs import signals_raise
+    from commsched.bench.report import summarize_baseline
+    from commsched.bench.runner import RunConfig, Runner, make_work_dir
+
+    config = RunConfig(workload=workload, workers=workers, nodes=nodes, bandwidth=bandwidth,
+                       intra_bandwidth=intra_bandwidth, strategies=[], steps=steps, warmup=warmup,
+                       batch_size=batch_size, partition_bytes=1 << 20, credit_bytes=4 << 20, network=network,
+                       seed=seed, phase_timeout_s=timeout_s, baseline_steps=steps)
+    cluster = make_cluster(network, nodes, bandwidth, intra_bandwidth)
+    work_dir = make_work_dir()
+    try:
+        with signals_raise(), cluster:
+            phase = Runner(config, cluster, work_dir, worker_module=__name__, log=log_stream).run_phase(
+                0, "profile", "baseline")
+    except NetworkSetupError as exc:
+        raise RuntimeError(f"cannot build the emulated network: {exc} (use --network loopback)") from exc
+    if phase.status != "ok":
+        raise RuntimeError(f"profiling {workload} failed: {phase.reason} (logs in {work_dir})")
+    baseline = summarize_baseline(phase.ranks)
+    r0 = phase.ranks[0]["profile"]
+    contention, how = _contention(baseline)
+    meta = {
+        "workload": workload, "workers": workers, "nodes": nodes, "bandwidth": bandwidth,
+        "intra_bandwidth": intra_bandwidth, "network": network, "emulation": cluster.emulation,
+        "emulation_note": cluster.note, "seed": seed, "bench_baseline": baseline, "contention": how,
+        "param_bytes": phase.ranks[0]["param_bytes"], "machine": machine_fingerprint(),
+        "per_rank_compute_s": [sum(_median(r[k]) for k in ("forward_s", "backward_s", "optimizer_s"))
+                               for r in phase.ranks],
+    }
+    local = Profile.from_dict(r0)  # rank 0's layers, scaled to its own medians; rescaled to the bench's
+    meta["local_compute_s"] = local.compute_s
+    prof = _build([layer.name for layer in local.layers], [layer.tensors for layer in local.layers],
+                  local.meta["unscaled"], source=f"profile:{workload}", batch_size=batch_size,
+                  forward_s=baseline["forward_s"], backward_s=baseline["backward_s"],
+                  optimizer_s=baseline["optimizer_s"], contention=contention, meta=meta)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return prof
+
+
+def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """Compute under a concurrent all-reduce / compute alone, from the bench's baseline.
+
+    When the all-reduce ended first (coverage c < 1 of the compute's wall time U),
+    only its first c·U ran slowed by κ: U = c·U + (C - c·U/κ), so κ = c·U / (C - (1 - c)·U).
+    """
+    compute, under = baseline["compute_s"], baseline["compute_under_comm_s"]
+    cover = baseline["under_comm_coverage"]
+    raw = under / compute if compute > 0 else 1.0
+    kappa = raw
+    denom = compute - (1 - cover) * under
+    if cover < 1 and denom > 0:
+        kappa = cover * under / denom
+    kappa = max(1.0, kappa)
+    return kappa, {"raw_ratio": raw, "coverage": cover, "value": kappa,
+                   "how": "compute_under_comm_s / compute_s, corrected for the part of the compute the "
+                          "all-reduce did not overlap (coverage < 1)"}
+
+
+# -------------------------------------------------------------------- the worker
+def _worker_main(argv: list[str] | None = None) -> int:
+    """One rank of a profile run (started by :func:`profile_workload` through the bench's runner)."""
+    import torch.distributed as dist
+
+    from commsched.plugins.torch.bench import worker
+    from commsched.plugins.torch.bench.workloads import get_workload
+
+    parser = argparse.ArgumentParser(description="commsched profile worker (started by commsched profile)")
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    worker._die_with_parent()
+    with open(args.spec) as f:
+        spec = json.load(f)
+    rank = args.rank
+    progress = worker.Progress(spec["run_dir"], rank == 0)
+    try:
+        result = worker.run_baseline(spec, rank, progress)  # the bench's own baseline, unchanged
+        wl = get_workload(spec["workload"])
+        torch.manual_seed(spec["seed"])
+        model = wl.build()
+        gen = torch.Generator().manual_seed(spec["seed"] + 1 + rank)
+        x, y = wl.make_batch(spec["batch_size"], gen)
+        opt = worker._opt_factory(wl)(model.parameters())
+        progress("layers", 0, 1)
+        prof = profile_model(model, x, y, wl.loss, opt, steps=spec["baseline_steps"], warmup=1,
+                             barrier=dist.barrier)
+        result["profile"] = prof.to_dict()
+        progress("layers", 1, 1)
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    result["rank"] = rank
+    worker._write_json(os.path.join(spec["run_dir"], f"rank{rank}.json"), result)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as the bench worker: gloo may abort in interpreter teardown
+
+
+# ------------------------------------------------------------------------------- CLI
+def _rate(text: str) -> str:
+    from commsched.bench.netns import parse_rate
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--workers --nodes --bandwidth --intra-bandwidth --network``, as ``commsched bench`` reads them."""
+    parser.add_argument("--workers", type=_positive, default=2, help="data-parallel ranks (default 2)")
+    parser.add_argument("--nodes", type=_positive, default=None,
+                        help="emulated machines; must divide --workers (default: one node per worker)")
+    parser.add_argument("--bandwidth", type=_rate, default="1gbit",
+                        help="rate of every node link, each direction, as tc writes it (1gbit, 500mbit) "
+                             "or 'none' (default 1gbit)")
+    parser.add_argument("--intra-bandwidth", type=_rate, default="none",
+                        help="rate shared by all traffic between workers of one node, or 'none' (default)")
+    parser.add_argument("--network", choices=("netns", "loopback"), default="netns",
+                        help="netns: shaped namespaces (needs root; falls back to loopback); loopback: unshaped")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``commsched profile`` flags."""
+    from commsched.bench.cli import WORKLOAD_CHOICES
+    parser.description = ("Profile a benchmark workload as `commsched bench` runs it with the same flags: "
+                          "per-layer forward/backward/ready/apply times, gradient tensors, contention.")
+    parser.add_argument("--workload", choices=WORKLOAD_CHOICES, required=True, help="model to profile")
+    parser.add_argument("--batch-size", type=_positive, default=None,
+                        help="samples per worker per step (default: the workload's)")
+    parser.add_argument("--steps", type=_positive, default=10,
+                        help="measured steps of each baseline measurement and of the layer profile (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
+    add_cluster_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are killed")
+    parser.add_argument("--json", required=True, metavar="PATH", help="write the profile here")
+    parser.add_argument("--cached", action="store_true",
+                        help=f"reuse a cached profile of the same flags on this machine ({DEFAULT_CACHE_DIR})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``commsched profile``: 0 when the profile is written, 1 when measuring failed, 2 on bad flags."""
+    nodes = args.workers if args.nodes is None else args.nodes
+    try:
+        _check_cluster(args.workers, nodes)
+        prof = load_or_profile(args.workload, batch_size=args.batch_size, workers=args.workers, nodes=nodes,
+                               bandwidth=args.bandwidth, intra_bandwidth=args.intra_bandwidth,
+                               network=args.network, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                               cache=True, timeout_s=args.timeout, cache_dir=None) if args.cached else None
+        if prof is None:
+            prof = _fresh(args, nodes)
+    except ValueError as exc:
+        print(f"commsched profile: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"commsched profile: {exc}", file=sys.stderr)
+        return 1
+    prof.to_json(args.json)
+    print(format_profile(prof))
+    return 0
+
+
+def _fresh(args: argparse.Namespace, nodes: int) -> Profile:
+    """Measure now and store the result in the cache too (``simulate`` then reuses it)."""
+    from commsched.plugins.torch.bench.workloads import get_workload
+    batch = args.batch_size or get_workload(args.workload).batch_size
+    bandwidth, intra = _norm_rate(args.bandwidth), _norm_rate(args.intra_bandwidth)
+    prof = profile_workload(args.workload, batch_size=batch, workers=args.workers, nodes=nodes,
+                            bandwidth=bandwidth, intra_bandwidth=intra, network=args.network, steps=args.steps,
+                            warmup=args.warmup, seed=args.seed, timeout_s=args.timeout)
+    key = _cache_key(args.workload, batch, args.workers, nodes, bandwidth, intra, args.network, args.seed)
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.meta["cache_key"] = key
+        prof.to_json(str(path))
+    except OSError as exc:
+        log.warning("could not cache the profile in %s: %s", path, exc)
+    return prof
+
+
+def format_profile(prof: Profile) -> str:
+    """A plain-text table of a profile (what ``commsched profile`` prints)."""
+    rows = [f"{'layer':<16} {'MB':>8} {'fwd ms':>8} {'bwd ms':>8} {'ready ms':>9} {'apply ms':>9}"]
+    for layer, ready in zip(prof.layers, prof.ready_times(), strict=True):
+        rows.append(f"{layer.name:<16} {layer.grad_bytes / 1e6:8.2f} {layer.forward_s * 1e3:8.1f} "
+                    f"{layer.backward_s * 1e3:8.1f} {ready * 1e3:9.1f} {layer.apply_s * 1e3:9.2f}")
+    rows.append(f"forward {prof.forward_s * 1e3:.1f} ms, backward {prof.backward_s * 1e3:.1f} ms, apply "
+                f"{prof.apply_s * 1e3:.1f} ms, overhead {prof.step_overhead_s * 1e3:.1f} ms, compute "
+                f"{prof.compute_s * 1e3:.1f} ms, contention {prof.contention:.3f}")
+    base = prof.meta.get("bench_baseline")
+    if base:
+        rows.append(f"bench baseline: compute {base['compute_s'] * 1e3:.1f} ms (optimizer.step "
+                    f"{base['optimizer_s'] * 1e3:.1f} ms), comm {base['comm_s'] * 1e3:.1f} ms, compute under "
+                    f"comm {base['compute_under_comm_s'] * 1e3:.1f} ms")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main())
