@@ -154,10 +154,13 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - start
         loss = float(losses[-1]) * world  # this worker's mean loss (it was divided by the global batch)
         args.steps = calls * args.unroll
-    print(json.dumps({"rank": rank, "workers": world, "mode": "mwms" if args.baseline else "commsched",
-                      "fit": args.fit, "unroll": args.unroll, "keras": keras_version,
-                      "step_ms": round(1000 * elapsed / max(1, args.steps), 2), "loss": round(loss, 4),
-                      "iterations": int(opt.iterations.numpy())}), flush=True)
+    line = json.dumps({"rank": rank, "workers": world, "mode": "mwms" if args.baseline else "commsched",
+                       "fit": args.fit, "unroll": args.unroll, "keras": keras_version,
+                       "step_ms": round(1000 * elapsed / max(1, args.steps), 2), "loss": round(loss, 4),
+                       "iterations": int(opt.iterations.numpy())})
+    # One write of the whole line: the workers share stdout, and unbuffered print() writes the
+    # text and its newline separately, so two workers' lines could run into one.
+    sys.stdout.write(line + "\n")
     sys.stdout.flush()
     os._exit(0)  # do not wait for the other workers at exit
 
