@@ -128,7 +128,7 @@ def test_cost_model_modules_import_with_every_framework_blocked():
         import sys
         for name in ["torch", "tensorflow", "mxnet", "horovod", "keras", "jax", "numpy"]:
             sys.modules[name] = None
-        import commsched.costmodel.topology, commsched.costmodel.collectives
+        import commsched.costmodel.topology, commsched.costmodel.collectives, commsched.costmodel.zoo
         print("OK")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
