@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -28,9 +29,12 @@ import torch.distributed as dist
 
 from commsched.errors import CommschedError, HorovodUnavailable
 
-__all__ = ["BACKENDS", "C10dStore", "HorovodBackend", "TorchBackend", "default_store", "make_backend"]
+__all__ = ["BACKENDS", "C10dStore", "HorovodBackend", "TorchBackend", "default_store", "make_backend",
+           "resolve_backend"]
 
 BACKENDS = ("torch", "horovod")
+#: What ``backend=`` accepts: a name of :data:`BACKENDS`, or ``"auto"``.
+CHOICES = ("auto",) + BACKENDS
 
 
 class C10dStore:
@@ -263,9 +267,38 @@ class HorovodBackend:
                                  f"close(); the waiter thread {self._thread.name} is still blocked in Horovod")
 
 
+def horovod_initialized() -> bool:
+    """True when the user's script imported ``horovod.torch`` and called ``hvd.init()``.
+
+    Looks only at modules already imported: ``backend="auto"`` never imports Horovod
+    (seconds, and a C++ library) for a script that does not use it."""
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is None:
+        return False
+    try:
+        return bool(hvd.is_initialized())
+    except Exception:  # a half-imported or broken Horovod is not "initialized"
+        return False
+
+
+def resolve_backend(name: str) -> str:
+    """The backend ``name`` stands for: ``"auto"`` is ``"horovod"`` when ``horovod.torch`` is
+    initialized (a ``horovodrun`` script), else ``"torch"``; a name of :data:`BACKENDS` is
+    itself. Raises ``ValueError`` for anything else (before any thread or group exists)."""
+    if name not in CHOICES:
+        raise ValueError(f"backend={name!r} is not a torch backend; use 'auto' (the default: Horovod when "
+                         "horovod.torch is initialized, else torch.distributed), 'torch' (torch.distributed: "
+                         "gloo or NCCL) or 'horovod'")
+    if name == "auto":
+        return "horovod" if horovod_initialized() else "torch"
+    return name
+
+
 def make_backend(name: str, group: Optional["dist.ProcessGroup"] = None,
                  timeout_s: float = 30.0) -> "TorchBackend | HorovodBackend":
-    """The backend called ``name`` (one of :data:`BACKENDS`); ``timeout_s`` bounds Horovod's close."""
+    """The backend called ``name`` (one of :data:`CHOICES`, see :func:`resolve_backend`);
+    ``timeout_s`` bounds Horovod's close."""
+    name = resolve_backend(name)
     if name == "torch":
         return TorchBackend(group)
     if name == "horovod":

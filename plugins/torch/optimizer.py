@@ -27,10 +27,14 @@ for them (then clip, inspect...), and ``step()`` runs the wrapped optimizer's ow
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import itertools
 import logging
+import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,8 +45,10 @@ from commsched.lifecycle import Closeable
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
-from commsched.plugins.torch.backends import default_store, make_backend
+from commsched.plugins.torch.backends import default_store, make_backend, resolve_backend
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
+from commsched.costmodel.profile import Profile
+from commsched.plugins.torch.profiler import StepRecorder, profile_recorded
 
 __all__ = ["DistributedOptimizer"]
 
@@ -66,6 +72,73 @@ def _default_config(backend: str) -> SchedulerConfig:
     return SchedulerConfig()
 
 
+_NO_MODEL_WARNING = (
+    "DistributedOptimizer was created without model=: gradients are reduced by priority, in pieces and "
+    "within the credit, but step() waits for all of them (no cross-iteration overlap). Pass "
+    "model=your_module, e.g. DistributedOptimizer(opt, named_parameters=model.named_parameters(), model=model), "
+    "to let the next forward start layer by layer while communication finishes.")
+
+
+def _horovod_torch() -> Any:
+    """``horovod.torch`` if the user's script imported it (never imported here)."""
+    return sys.modules.get("horovod.torch")
+
+
+def _reduce_op(op: Any) -> str:
+    """``"average"`` or ``"sum"`` for ``op`` (Horovod's ``hvd.Average``/``hvd.Sum`` or those words)."""
+    if op is None:
+        return "average"
+    if isinstance(op, str) and op.lower() in ("average", "mean", "sum"):
+        return "sum" if op.lower() == "sum" else "average"
+    hvd = _horovod_torch()
+    if hvd is not None and not isinstance(op, (str, bool)):
+        if op == hvd.Average:
+            return "average"
+        if op == hvd.Sum:
+            return "sum"
+        if op == getattr(hvd, "Adasum", object()):
+            raise ValueError("op=hvd.Adasum is not supported by commsched: it reduces by sum of pieces (sum then "
+                             "divide); use op=hvd.Average (the default) or keep hvd.DistributedOptimizer for Adasum")
+    raise ValueError(f"op={op!r} is not supported; use op=hvd.Average (the default, 'average') or op=hvd.Sum ('sum')")
+
+
+def _check_compression(compression: Any) -> None:
+    """Accept no compression only: Horovod's ``hvd.Compression.none`` or None."""
+    if compression is None:
+        return
+    name = getattr(compression, "__name__", type(compression).__name__)
+    if name == "NoneCompressor":
+        return
+    raise ValueError(f"compression={name} is not supported: commsched reduces gradients in their own dtype. "
+                     "Drop compression= (or pass hvd.Compression.none)")
+
+
+def _named(named_parameters: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """Horovod's ``named_parameters`` argument, checked as Horovod checks it."""
+    if isinstance(named_parameters, dict):
+        named_parameters = list(named_parameters.items())
+    try:
+        pairs = list(named_parameters)
+    except TypeError:
+        pairs = None
+    if pairs is None or any(not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                 and isinstance(p[1], torch.Tensor)) for p in pairs):
+        raise TypeError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                        "model.named_parameters()")
+    names = [n for n, _ in pairs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"named_parameters has duplicate names {dupes}; each parameter needs its own name, as "
+                         "model.named_parameters() gives")
+    return pairs
+
+
+def _is_named_parameters(value: Any) -> bool:
+    """True for what a Horovod script passes second: ``model.named_parameters()`` (a generator) or a list of pairs."""
+    return inspect.isgenerator(value) or (isinstance(value, (list, tuple)) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in value))
+
+
 class _ParamState:
     """Bookkeeping for one parameter."""
 
@@ -85,46 +158,119 @@ class _ParamState:
 
 
 class DistributedOptimizer(torch.optim.Optimizer, Closeable):
-    """Wrap ``optimizer`` so that ``model``'s gradients are reduced by commsched.
+    """Wrap ``optimizer`` so that its gradients are reduced by commsched.
+
+    A drop-in for ``hvd.DistributedOptimizer``: ``DistributedOptimizer(optimizer,
+    named_parameters=model.named_parameters(), compression=hvd.Compression.none,
+    op=hvd.Average)`` takes Horovod's arguments, and ``hvd.broadcast_optimizer_state``
+    works on it.
 
     Args:
-        optimizer: any ``torch.optim`` optimizer over ``model``'s parameters (SGD,
-            Adam, AdamW, RMSprop, Adagrad, ...); its class and hyperparameters do
-            the updates.
-        model: the module whose forward uses the parameters (hooks go on it).
+        optimizer: any ``torch.optim`` optimizer (SGD, Adam, AdamW, RMSprop, Adagrad,
+            ...); its class and hyperparameters do the updates.
+        model: the module whose forward uses the parameters. With it, hooks on its
+            modules let the next forward start layer by layer while communication
+            finishes (cross-iteration overlap). Without it: priority, partition and
+            credit, and ``step()`` waits for every gradient (one warning says so).
         config: a :class:`commsched.SchedulerConfig` (default: from ``COMMSCHED_*``).
-        backend: ``"torch"`` (the default process group: gloo or NCCL) or ``"horovod"``
-            (raises :class:`commsched.errors.HorovodUnavailable` without Horovod).
+        backend: ``"auto"`` (default: Horovod when ``horovod.torch`` is imported and
+            initialized, else torch.distributed), ``"torch"`` (the default process
+            group: gloo or NCCL) or ``"horovod"`` (raises
+            :class:`commsched.errors.HorovodUnavailable` without Horovod).
         broadcast: broadcast parameters, buffers and optimizer state from rank 0 now.
         backward_passes_per_step: reduce only every k-th backward (gradient accumulation).
         process_group: a torch.distributed group other than the default one.
+        named_parameters: Horovod's: ``(name, parameter)`` pairs naming the
+            parameters (``model.named_parameters()``); their order is the priority
+            until a forward shows the order of use.
+        compression: Horovod's; only ``hvd.Compression.none`` (or None).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``; Adasum is refused.
+        gradient_predivide_factor: Horovod's: divide by f before the sum and by
+            ``size / f`` after (``op=hvd.Average`` only).
+        num_groups, groups, sparse_as_dense, process_set: Horovod's; only their
+            defaults are accepted (anything else raises ``ValueError`` saying why).
+
+    Every bad argument raises ``TypeError``/``ValueError`` naming it before any
+    thread, process group or hook exists; if the initial broadcast fails, the hooks
+    and threads are removed before the error propagates.
 
     Guarantees: after ``synchronize()`` every parameter equals what plain synchronous
     training gives (all-reduce, divide by world size, ``optimizer.step()``) — bitwise
-    on 2 ranks with a deterministic engine; every gradient is reduced once.
+    on 2 ranks with a deterministic engine; every gradient is reduced once. A
+    ``step()`` with no backward since the previous one (``hvd.broadcast_optimizer_state``
+    does this with zero gradients) runs the wrapped optimizer's own step on ``p.grad``,
+    without communication, and is not counted as a step.
     :meth:`close` (or leaving a ``with`` block) applies what is pending and stops the
     threads; a closed optimizer raises :class:`commsched.SchedulerClosed` when used.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                 config: SchedulerConfig | None = None, *, backend: str = "torch", broadcast: bool = True,
-                 backward_passes_per_step: int = 1, process_group: Optional["dist.ProcessGroup"] = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+                 config: SchedulerConfig | None = None, *, backend: str = "auto", broadcast: bool = True,
+                 backward_passes_per_step: int = 1, process_group: Optional["dist.ProcessGroup"] = None,
+                 named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]] = None,
+                 compression: Any = None, op: Any = None, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: Any = None) -> None:
+        # Every check runs before any thread, process group or hook exists.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer instance (e.g. "
                             "torch.optim.SGD(model.parameters(), "
                             f"lr=0.1)), got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError("model must be the torch.nn.Module whose parameters the optimizer updates, "
-                            f"got {type(model).__name__}")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        if model is not None and not isinstance(model, torch.nn.Module) and _is_named_parameters(model):
+            # hvd.DistributedOptimizer(opt, model.named_parameters()): Horovod's second argument.
+            if named_parameters is not None:
+                raise TypeError("named_parameters was given twice (second positional argument and keyword)")
+            model, named_parameters = None, model
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError("model must be the torch.nn.Module whose parameters the optimizer updates (or leave it "
+                            f"out), got {type(model).__name__}")
+        if config is not None and not isinstance(config, SchedulerConfig):
+            hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
+                "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
+            raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; "
+                            f"use config={hint}")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
+            raise TypeError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1 (the number "
+                            "of backward passes whose gradients are accumulated before one reduction)")
+        if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
-        self.config = config if config is not None else _default_config(backend)
+        if not isinstance(broadcast, bool):
+            raise TypeError(f"broadcast={broadcast!r} must be True or False")
+        self._op = _reduce_op(op)
+        _check_compression(compression)
+        if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
+                or not gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a number > 0")
+        if gradient_predivide_factor != 1.0 and self._op != "average":
+            raise ValueError("gradient_predivide_factor != 1.0 needs op=hvd.Average (as in Horovod)")
+        if num_groups or groups is not None:
+            raise ValueError("num_groups/groups (Horovod's fixed fusion groups) are not supported: commsched cuts and "
+                             "orders pieces itself (SchedulerConfig partition_bytes/credit_bytes); drop them")
+        if sparse_as_dense:
+            raise ValueError("sparse_as_dense=True is not supported: commsched reduces dense gradients only; use "
+                             "nn.Embedding(sparse=False) and drop sparse_as_dense")
+        if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
+            raise ValueError("process_set: commsched reduces over all Horovod ranks (the global process set); "
+                             "drop process_set=")
+        named = _named(named_parameters) if named_parameters is not None else None
         if isinstance(optimizer, _NEEDS_ALL_GRADIENTS):
             raise ValueError(
                 f"{type(optimizer).__name__} needs a closure that re-evaluates the loss on all gradients at once, "
                 "which per-parameter scheduled updates cannot provide; use it without commsched or reduce manually")
+        backend = resolve_backend(backend)
+        if backend == "horovod" and process_group is not None:
+            raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "
+                             "Horovod ranks (leave process_group=None)")
+        config = config if config is not None else _default_config(backend)
+        if model is None and config.cross_iteration:
+            warnings.warn(_NO_MODEL_WARNING, UserWarning, stacklevel=2)
+            config = dataclasses.replace(config, cross_iteration=False)
+        self.config = config
+        self._params = self._collect(model, named, optimizer)
+        self._predivide = float(gradient_predivide_factor)
+
         self._initializing = True
         super().__init__([p for g in optimizer.param_groups for p in g["params"]], {})
         self._initializing = False
@@ -137,44 +283,79 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self.model = model
         self.backward_passes_per_step = backward_passes_per_step
         self._cross = self.config.cross_iteration
-
-        self._backend = make_backend(backend, process_group, self.config.timeout_s)
-        self.rank = self._backend.rank
-        self.world_size = self._backend.world_size
-        store = None
-        if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order):
-            store = default_store()
-        self._scheduler = Scheduler(self._backend, TorchOps(), self.config, store=store,
-                                    key_prefix=f"commsched/opt{next(_instances)}")
-        self.timeline = self._scheduler.timeline
-
-        self._params = self._collect(model, optimizer)
         self._by_param = {id(s.param): s for s in self._params}
         self._hooks: list[Any] = []
-        self._install_hooks()
-        self._recording = True  # first forward: learn the order of first use
+        self._recording = model is not None  # first forward: learn the order of first use
         self._seen: set[int] = set()
         self._next_priority = 0
         self._sync_enabled = True
+        self._backward_seen = False
         self._steps = 0
         self._bubble = 0.0
         self._bubbles: list[float] = []
         self._closed = False
-        if broadcast and self.world_size > 1:
-            self._broadcast_from_rank0()
+        self._orphans: list[_ParamState] = []
+
+        # From here on threads and groups exist: any failure closes what was made.
+        self._backend = make_backend(backend, process_group, self.config.timeout_s)
+        self.backend = backend
+        self.rank = self._backend.rank
+        self.world_size = self._backend.world_size
+        try:
+            store = None
+            if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order):
+                store = default_store()
+            self._scheduler = Scheduler(self._backend, TorchOps(), self.config, store=store,
+                                        key_prefix=f"commsched/opt{next(_instances)}")
+        except BaseException:
+            self._backend.close()
+            raise
+        self.timeline = self._scheduler.timeline
+        try:
+            self._install_hooks()
+            if broadcast and self.world_size > 1:
+                self._broadcast_from_rank0()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Undo a constructor that failed after the threads started: remove the hooks,
+        close the scheduler (and with it the backend) without waiting for pieces."""
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        try:
+            self._scheduler.close(5.0)
+        except Exception:  # the constructor's own error is the one to report
+            log.exception("closing the scheduler after a failed DistributedOptimizer constructor")
 
     # --------------------------------------------------------------- set-up
     @staticmethod
-    def _collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[_ParamState]:
-        names = {id(p): n for n, p in model.named_parameters()}
+    def _collect(model: torch.nn.Module | None, named: list | None,
+                 optimizer: torch.optim.Optimizer) -> list[_ParamState]:
+        """One state per parameter that needs a gradient, named after the model (or
+        ``named_parameters``) and prioritised by its order there, a stand-in until the
+        first forward shows the order of use."""
+        if model is not None:
+            pairs, where = list(model.named_parameters()), "model.named_parameters()"
+        elif named is not None:
+            pairs, where = named, "named_parameters"
+        else:  # Horovod's names when none are given; the same on every rank
+            pairs = [(f"param.{g}.{i}", p) for g, group in enumerate(optimizer.param_groups)
+                     for i, p in enumerate(group["params"])]
+            where = "the optimizer"
+        names = {id(p): n for n, p in pairs}
         states, seen = [], set()
-        order = {id(p): i for i, p in enumerate(model.parameters())}
+        order = {id(p): i for i, (_, p) in enumerate(pairs)}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in names:
                     raise ValueError(
-                        "the optimizer holds a parameter that is not in model.named_parameters() "
-                        f"(shape {tuple(p.shape)}); pass the model whose parameters the optimizer updates")
+                        f"the optimizer holds a parameter that is not in {where} "
+                        f"(shape {tuple(p.shape)}); pass the model (or named_parameters) whose parameters the "
+                        "optimizer updates")
                 if id(p) in seen:
                     raise ValueError(f"parameter {names[id(p)]!r} appears twice in the optimizer's param_groups")
                 seen.add(id(p))
@@ -187,6 +368,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     def _install_hooks(self) -> None:
         for state in self._params:
             self._hooks.append(state.param.register_post_accumulate_grad_hook(self._make_grad_hook(state)))
+        if self.model is None:  # no forward hooks: the synchronous path waits in step()
+            return
         owned: set[int] = set()
         for module in self.model.modules():
             mine = [self._by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in self._by_param]
@@ -194,12 +377,17 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 owned.update(id(s.param) for s in mine)
                 self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(mine)))
         # The root waits for parameters whose module never runs its own forward.
-        self._orphans: list[_ParamState] = []
         self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+        # profile(): per-layer timings of the last few steps (a bounded ring); close() removes its hooks.
+        self._recorder = StepRecorder(self.model, [(s.name, s.param) for s in self._params],
+                                      waited=lambda: self._bubble, optimizer=self.optimizer)
+        self._hooks.extend(self._recorder.handles)
 
     def _broadcast_from_rank0(self) -> None:
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers()) if self.model is not None \
+            else (s.param for s in self._params)
         with torch.no_grad():
-            for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+            for tensor in tensors:
                 self._backend.broadcast(tensor, 0)
         state = self._backend.broadcast_object(self.optimizer.state_dict() if self.rank == 0 else None, 0)
         if self.rank != 0 and state is not None and state.get("state"):
@@ -208,6 +396,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     # ----------------------------------------------------------------- hooks
     def _make_grad_hook(self, state: _ParamState) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            self._backward_seen = True
             if not self._sync_enabled:
                 return
             state.passes += 1
@@ -229,6 +418,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if self._cross:
             state.param.grad = None  # the scheduler owns this gradient until the update
         buffer = grad if grad.is_contiguous() else grad.contiguous()
+        if self._predivide != 1.0:  # Horovod's gradient_predivide_factor: f before the sum, size/f after
+            buffer.div_(self._predivide)
         state.copy_back = grad if buffer is not grad else None
         state.grad = buffer
         ready = None
@@ -243,7 +434,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         # not read by the user before synchronize() (synchronous path).
         for work in task.handles:  # CUDA: order this stream after the engine's
             work.wait()
-        task.tensor.div_(self.world_size)
+        if self._op == "average":
+            task.tensor.div_(self.world_size / self._predivide if self._predivide != 1.0 else self.world_size)
 
     def _make_pre_hook(self, states: list[_ParamState]) -> Callable:
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
@@ -315,6 +507,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if self._cross and closure is not None:
             raise ValueError("step(closure) needs all gradients at once; create the DistributedOptimizer with "
                              "SchedulerConfig(cross_iteration=False) to use a closure")
+        if not self._backward_seen and not any(s.future is not None for s in self._params):
+            # No backward since the last step, so no gradient of this step is ours:
+            # hvd.broadcast_optimizer_state sets zero gradients and calls step() to
+            # create a fresh optimizer's state. Run the wrapped optimizer's own step on
+            # whatever p.grad holds, locally, and do not count it as a training step.
+            return self.optimizer.step(closure)
+        self._backward_seen = False
         loss = None
         if self._recording:
             self._finish_recording()
@@ -404,6 +603,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             "priorities": {s.name: s.priority for s in sorted(self._params, key=lambda s: s.priority)},
             "scheduler": sched,
         }
+
+    def profile(self) -> Profile:
+        """A :class:`commsched.costmodel.Profile` of the last recorded steps of this training (up to
+        8): per-layer forward, backward, ready and apply times, gradient tensors by their names here.
+        See :func:`commsched.plugins.torch.profiler.profile_recorded` for what each time is."""
+        recorder = getattr(self, "_recorder", None)
+        if recorder is None:
+            raise ValueError("profile() needs the model: create the DistributedOptimizer with model=... "
+                             "(without it there are no layers to time)")
+        return profile_recorded(recorder, cross_iteration=self._cross, world_size=self.world_size)
 
     def close(self, timeout: float | None = None) -> None:
         """Apply what is pending (waiting at most ``timeout``, default ``timeout_s``), remove the
