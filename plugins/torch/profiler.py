@@ -101,8 +101,10 @@ class StepRecorder:
     """
 
     def __init__(self, model: nn.Module, params: Sequence[tuple[str, torch.Tensor]], *,
-                 waited: Callable[[], float] | None = None, keep: int = RECORDED_STEPS) -> None:
+                 waited: Callable[[], float] | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 keep: int = RECORDED_STEPS) -> None:
         self.model = model
+        self.params = dict(params)
         self._names = {id(p): n for n, p in params}
         self._params = {id(p): p for _, p in params}
         self._waited = waited or (lambda: 0.0)
@@ -115,8 +117,6 @@ class StepRecorder:
         self._wait_mark = 0.0
         self.handles: list[Any] = []
         module_names = {id(m): n for n, m in model.named_modules()}
-        self.handles.append(model.register_forward_pre_hook(self._root_pre, prepend=True))
-        self.handles.append(model.register_forward_hook(self._root_post))
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if id(p) in self._params]
             if own:
@@ -127,6 +127,13 @@ class StepRecorder:
         for _, p in params:
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._make_ready(p)))
+        # Prepended last, so it runs before every other pre-hook (the root's own layer hook included).
+        self.handles.append(model.register_forward_pre_hook(self._root_pre, prepend=True))
+        self.handles.append(model.register_forward_hook(self._root_post))
+        if optimizer is not None:  # the synchronous path's optimizer.step() of all parameters
+            self.handles.append(optimizer.register_step_pre_hook(self._step_pre))
+            self.handles.append(optimizer.register_step_post_hook(self._step_post))
+        self._step_t0 = 0.0
 
     # hooks -----------------------------------------------------------------
     def _root_pre(self, _module: nn.Module, _args: Any) -> None:
@@ -192,6 +199,13 @@ class StepRecorder:
             if cur is not None and index is not None:
                 cur.ready[index] = time.perf_counter()
         return hook
+
+    def _step_pre(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        self._step_t0 = time.perf_counter()
+        self.mark(step_wait_s=self._waited())
+
+    def _step_post(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        self.mark(apply_whole_s=time.perf_counter() - self._step_t0)
 
     # driven by the training loop or the optimizer's step hooks --------------
     def mark(self, **values: float) -> None:
@@ -455,7 +469,7 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
     layers = list(recorder.layers)
     if not layers:
         raise ValueError("no step was recorded yet; run a few training steps before profile()")
-    params = {n: p for p in recorder._params.values() for n in [recorder._names[id(p)]]}
+    params = recorder.params
     cut = _cut(passes, len(layers))
     sizes = [sum(params[n].numel() * params[n].element_size() for n in names) for _, names in layers]
     if cross_iteration:
@@ -471,9 +485,6 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
     bubble = sum(cut.waited) + cut.step_wait
     rest = cut.step_total - sum(cut.forward) - sum(cut.backward) - sum(apply) - bubble
     out = []
-    later = 0.0
-    for i in range(len(layers) - 1, -1, -1):
-        later = max(later, cut.ready[i])
     for i, (name, names) in enumerate(layers):
         out.append(LayerProfile(name=name, forward_s=cut.forward[i], backward_s=cut.backward[i], apply_s=apply[i],
                                 ready_s=cut.ready[i], tensors=_tensor_specs(names, params)))

@@ -1,0 +1,243 @@
+"""The profiler: layers in forward order, tensors as the scheduler names them, times that add up.
+
+Timing checks use layers that sleep a known time in forward and in backward, so they
+test where each interval is attributed, not how fast this machine is. Run as a
+script (``--out PATH``), this file is one gloo rank of the ``opt.profile()`` tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from commsched.costmodel.profile import Profile
+from commsched.plugins.torch.profiler import _contention, load_or_profile, profile_model
+
+FWD_SLEEP = 0.1
+BWD_SLEEP = 0.08
+#: A sleep overshoots by the scheduler's latency, never undershoots; on 2 cores shared with
+#: other test runs a woken thread waited up to ~40 ms. Medians over 5 steps, and the
+#: sleeps are longer than that, so misattributing one (or scaling by a wrong factor) fails.
+SLACK = 0.045
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(BWD_SLEEP)
+        return grad
+
+
+class Sleepy(nn.Module):
+    """Owns its weight; sleeps ``fwd`` in forward and ``bwd`` in backward before its weight's gradient."""
+
+    def __init__(self, dim: int, fwd: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) / dim ** 0.5)
+        self.fwd = fwd
+
+    def forward(self, x):
+        time.sleep(self.fwd)
+        return _SleepInBackward.apply(torch.tanh(x @ self.weight))
+
+
+class Net(nn.Module):
+    def __init__(self, fwd: float = FWD_SLEEP) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.sleepy = Sleepy(32, fwd)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.sleepy(torch.relu(self.stem(x))))
+
+
+class Tied(nn.Module):
+    """An embedding reused as the output projection: one parameter, two uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, idx):
+        return torch.tanh(self.mix(self.embed(idx))) @ self.embed.weight.t()
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
+def _profile(model=None, steps=5):
+    torch.manual_seed(0)
+    model = model or Net()
+    x, y = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, profile_model(model, x, y, nn.functional.cross_entropy, opt, steps=steps)
+
+
+def test_layers_come_in_forward_order_with_the_models_parameters_as_tensors():
+    model, prof = _profile()
+    assert [layer.name for layer in prof.layers] == ["stem", "sleepy", "head"]
+    params = dict(model.named_parameters())
+    tensors = [(t.name, t.numel, t.element_size) for layer in prof.layers for t in layer.tensors]
+    assert tensors == [(n, p.numel(), p.element_size()) for n, p in params.items()]
+    assert prof.grad_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_a_layer_that_sleeps_gets_its_sleep_in_forward_and_backward_and_no_other_layer_does():
+    _, prof = _profile()
+    stem, sleepy, head = prof.layers
+    assert FWD_SLEEP - 0.002 <= sleepy.forward_s <= FWD_SLEEP + SLACK
+    assert BWD_SLEEP - 0.002 <= sleepy.backward_s <= BWD_SLEEP + SLACK
+    assert stem.forward_s + head.forward_s < SLACK and stem.backward_s + head.backward_s < SLACK
+    # ready times run backwards through the layers: head first, the stem last
+    ready = [layer.ready_s for layer in prof.layers]
+    assert ready[2] <= ready[1] <= ready[0]
+    assert ready[1] >= BWD_SLEEP - 0.002 and ready[2] < SLACK
+    assert prof.ready_times() == pytest.approx(ready)
+
+
+def test_the_totals_match_a_directly_timed_step():
+    torch.manual_seed(0)
+    model = Net()
+    x, y = _batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    direct = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        direct.append(time.perf_counter() - t0)
+    direct_s = sorted(direct[1:])[2]
+    prof = profile_model(model, x, y, nn.functional.cross_entropy, opt, steps=5)
+    # as the bench's compute: forward + backward + the optimizer's own step of all parameters
+    total = prof.forward_s + prof.backward_s + prof.step_overhead_s + prof.meta["optimizer_step_s"]
+    assert total == pytest.approx(prof.meta["forward_s"] + prof.meta["backward_s"] + prof.meta["optimizer_step_s"])
+    assert abs(total - direct_s) < SLACK
+    assert total >= FWD_SLEEP + BWD_SLEEP
+    assert all(layer.apply_s > 0 for layer in prof.layers)
+
+
+def test_a_tied_weight_is_one_tensor_of_its_first_user_and_ready_last():
+    torch.manual_seed(0)
+    model = Tied()
+    idx = torch.randint(0, 50, (4, 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = profile_model(model, idx, torch.randint(0, 50, (4, 6)),
+                         lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()), opt, steps=2)
+    assert [layer.name for layer in prof.layers] == ["embed", "mix"]
+    assert [t.name for t in prof.layers[0].tensors] == ["embed.weight"]
+    assert prof.layers[0].ready_s >= prof.layers[1].ready_s
+
+
+def test_the_profile_survives_a_json_round_trip(tmp_path):
+    _, prof = _profile(steps=2)
+    path = tmp_path / "profile.json"
+    prof.to_json(str(path))
+    again = Profile.from_json(str(path))
+    assert again.layers == prof.layers
+    assert again.step_overhead_s == prof.step_overhead_s and again.contention == prof.contention
+
+
+def test_contention_is_corrected_when_the_all_reduce_ends_before_the_compute():
+    # compute 1 s alone, 1.5x slower under comm, all-reduce over after 0.6 s of wall time:
+    # 0.4 s of work under it, 0.6 s alone after it -> 1.2 s, coverage 0.5
+    kappa, how = _contention({"compute_s": 1.0, "compute_under_comm_s": 1.2, "under_comm_coverage": 0.5})
+    assert kappa == pytest.approx(1.5) and how["raw_ratio"] == pytest.approx(1.2)
+    assert _contention({"compute_s": 1.0, "compute_under_comm_s": 1.3, "under_comm_coverage": 1.0})[0] \
+        == pytest.approx(1.3)
+
+
+def test_bad_flags_are_refused_naming_the_flag_before_anything_runs(capsys):
+    from commsched.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--workload", "tiny", "--bandwidth", "nonsense", "--json", "x.json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--bandwidth" in err and "1gbit" in err
+    assert main(["profile", "--workload", "tiny", "--workers", "3", "--nodes", "2", "--json", "x.json"]) == 2
+    assert "--nodes 2 must divide --workers 3" in capsys.readouterr().err
+
+
+def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path):
+    prof = load_or_profile("tiny", workers=2, network="loopback", steps=3, warmup=1, cache_dir=tmp_path,
+                           log_stream=open(os.devnull, "w"))
+    base = prof.meta["bench_baseline"]
+    assert [layer.name for layer in prof.layers] == ["0.0", "1"]
+    # scaled to the bench's multi-worker compute: forward, backward, optimizer.step() exactly
+    total = prof.forward_s + prof.backward_s + prof.step_overhead_s + prof.meta["optimizer_step_s"]
+    assert total == pytest.approx(base["compute_s"], rel=1e-9)
+    assert prof.contention >= 1.0 and prof.meta["workers"] == 2
+    cached = list(tmp_path.glob("tiny-*.json"))
+    assert len(cached) == 1
+    t0 = time.perf_counter()
+    again = load_or_profile("tiny", workers=2, network="loopback", steps=3, cache_dir=tmp_path)
+    assert time.perf_counter() - t0 < 1.0 and again.layers == prof.layers
+
+
+# ------------------------------------------------------------------ opt.profile() on 2 gloo ranks
+@pytest.mark.parametrize("cross", [True, False], ids=["cross_iteration", "synchronous"])
+def test_opt_profile_describes_the_last_steps_of_training(ranks, cross):
+    results = ranks(2, "--cross", str(int(cross)), script=Path(__file__), timeout=120)
+    for result in results:
+        prof = Profile.from_dict(result["profile"])
+        assert [layer.name for layer in prof.layers] == ["stem", "sleepy", "head"]
+        assert [t.name for layer in prof.layers for t in layer.tensors] == result["names"]
+        sleepy = prof.layers[1]
+        assert 0.05 - 0.002 <= sleepy.forward_s <= 0.05 + SLACK
+        assert BWD_SLEEP - 0.002 <= sleepy.backward_s <= BWD_SLEEP + SLACK
+        ready = [layer.ready_s for layer in prof.layers]
+        assert ready[2] <= ready[1] <= ready[0]
+        assert all(layer.apply_s > 0 for layer in prof.layers)
+        assert prof.meta["cross_iteration"] is cross and prof.meta["world_size"] == 2
+        assert 3 <= prof.meta["measured_steps"] <= 8
+        assert prof.meta["step_s"] >= 0.05 + BWD_SLEEP and prof.step_overhead_s >= 0
+
+
+def _rank_main() -> None:
+    import torch.distributed as dist
+
+    from commsched import SchedulerConfig
+    from commsched.plugins.torch import DistributedOptimizer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cross", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = Net(fwd=0.05)
+    x, y = _batch()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                               SchedulerConfig(cross_iteration=bool(args.cross)))
+    with opt:
+        for _ in range(10):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        model(x)  # the forward that applies the last update (cross-iteration) and closes the last step
+        opt.synchronize()
+        prof = opt.profile()
+    names = [n for n, _ in model.named_parameters()]
+    Path(args.out).write_text(json.dumps({"profile": prof.to_dict(), "names": names}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())
