@@ -23,7 +23,8 @@ BENCH_FRAMEWORKS = {
     "mxnet": "commsched.plugins.mxnet.bench",
 }
 
-# subcommand -> (module providing add_arguments/run, one-line help)
+# subcommand -> (module providing add_arguments/run, or "module:verb" providing add_<verb>_arguments/run_<verb>,
+# one-line help)
 SUBCOMMANDS = {
     "bench": ("commsched.bench.cli",
               "emulated-cluster benchmark of commsched against the framework's stock strategy "
@@ -32,6 +33,14 @@ SUBCOMMANDS = {
              "the quick benchmark (make demo): 2 workers, 1 Gbit/s, DDP vs commsched dynamic (needs torch)"),
     "launch": ("commsched.plugins.mxnet.launch",
                "start an MXNet parameter-server job on this machine (needs mxnet)"),
+    "simulate": ("commsched.costmodel.cli:simulate",
+                 "predict `commsched bench` (--workload) or a zoo model on a described cluster (--model, --cluster) "
+                 "with the cost model; writes the bench report schema with \"predicted\": true"),
+    "validate": ("commsched.costmodel.cli:validate",
+                 "run a grid of `commsched bench` configurations and the simulator on each; report errors and "
+                 "Kendall tau (needs torch, root)"),
+    "advise": ("commsched.costmodel.cli:advise",
+               "will scheduling help this model on this network? expected speedup over DDP, settings, why"),
     "profile": ("commsched.plugins.torch.profiler",
                 "per-layer profile of a benchmark workload as `commsched bench` runs it, for the simulator "
                 "(needs torch)"),
@@ -73,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                 module = BENCH_FRAMEWORKS[framework]
                 sub_parser.add_argument("--framework", choices=list(BENCH_FRAMEWORKS), default="torch",
                                         help="which framework's benchmark to run (default torch)")
+            module, _, verb = module.partition(":")  # "module:verb": add_<verb>_arguments / run_<verb>
             loaded = _load(module)
-            loaded.add_arguments(sub_parser)
-            sub_parser.set_defaults(_run=loaded.run)
+            getattr(loaded, f"add_{verb}_arguments" if verb else "add_arguments")(sub_parser)
+            sub_parser.set_defaults(_run=getattr(loaded, f"run_{verb}" if verb else "run"))
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()

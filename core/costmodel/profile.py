@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec"]
+__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "read_json"]
 
 SCHEMA = "commsched-profile/1"
 
@@ -196,9 +196,13 @@ class Profile:
 
     @classmethod
     def from_json(cls, path: str) -> "Profile":
-        try:
-            with open(path) as fh:
-                data = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc}); is it truncated?") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path))
+
+
+def read_json(path: str) -> Any:
+    """The JSON document at ``path``; a ``ValueError`` naming the file when it is not JSON."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); is it truncated?") from None

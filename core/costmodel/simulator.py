@@ -203,8 +203,10 @@ class _Sim:
                 raise RuntimeError("the simulation did not finish (a strategy model waits on itself)")
             self._advance_lane_starts()
             candidates = []
+            task_end = None
             if self.task_left is not None:
-                candidates.append(self.now + self.task_left / self.rate())
+                task_end = self.now + self.task_left / self.rate()
+                candidates.append(task_end)
             if self.net_current is not None:
                 candidates.append(self.net_current[0])
             if self.timers:
@@ -217,17 +219,18 @@ class _Sim:
                 return
             t = min(candidates)
             if self.task_left is not None:
-                self.task_left -= (t - self.now) * self.rate()
+                # the task ends now when its own end is the next event (exactly: no float residue)
+                self.task_left = 0.0 if task_end <= t else self.task_left - (t - self.now) * self.rate()
             self.now = t
-            if self.net_current is not None and self.net_current[0] <= t + 1e-15:
+            if self.net_current is not None and self.net_current[0] <= t:
                 done = self.net_current[1]
                 self.net_current = None
                 done()  # may send more (and start it: the network was idle)
                 if self.net_current is None:
                     self._start_next_collective()
-            while self.timers and self.timers[0][0] <= t + 1e-15:
+            while self.timers and self.timers[0][0] <= t:
                 heapq.heappop(self.timers)[2]()
-            if self.task_left is not None and self.task_left <= 1e-15:
+            if self.task_left is not None and self.task_left <= 0.0:
                 self._finish_task()
 
     def _advance_lane_starts(self) -> None:

@@ -277,9 +277,6 @@ class Topology:
 
     @classmethod
     def from_json(cls, path: str) -> "Topology":
-        try:
-            with open(path) as fh:
-                data = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc}); is it truncated?") from None
-        return cls.from_dict(data)
+        from commsched.costmodel.profile import read_json
+
+        return cls.from_dict(read_json(path))

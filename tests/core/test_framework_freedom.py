@@ -24,6 +24,10 @@ SCRIPT = textwrap.dedent(
     # the framework-free half of `commsched bench` (the frameworks' halves live in the plugins)
     import commsched.bench.cli, commsched.bench.runner, commsched.bench.report, commsched.bench.spec
     import commsched.bench.options, commsched.bench.procs, commsched.bench.netns, commsched.bench.cpu
+    import commsched.policy, commsched.protocol, commsched.state, commsched.failures, commsched.task
+    import commsched.replay, commsched.stats, commsched.lifecycle
+    import commsched.costmodel.profile, commsched.costmodel.topology, commsched.costmodel.collectives
+    import commsched.costmodel.zoo, commsched.costmodel.simulator, commsched.costmodel.cli
 
     config = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=20)
     world = InProcessWorld(2)

@@ -1,0 +1,367 @@
+"""``commsched simulate``, ``commsched validate`` and ``commsched advise``.
+
+``simulate`` predicts what ``commsched bench`` measures with the same flags (from a
+profile of the workload on this machine, cached) or a zoo model on a described
+cluster; its JSON is the bench report schema with ``"predicted": true``.
+``validate`` runs a grid of ``commsched bench`` configurations and the simulator on
+each, and reports the error of each strategy's step time and the rank correlation
+(Kendall τ) of the strategies' order. ``advise`` says whether scheduling will help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from commsched.bench.report import assemble_report, markdown, result_entry, write_json
+from commsched.costmodel.collectives import allreduce_s, best_algorithm
+from commsched.costmodel.profile import Profile
+from commsched.costmodel.simulator import SimResult, SimSettings, parse_sim_strategy, simulate
+from commsched.costmodel.topology import Topology
+
+__all__ = ["advise", "kendall_tau", "predicted_report", "run_advise", "run_simulate", "run_validate"]
+
+MB = 1 << 20
+DEFAULT_STRATEGIES = "ddp,ddp:4,horovod,fifo,dynamic,static"
+
+
+# ------------------------------------------------------------------ inputs
+def add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """What to simulate (a profile, a workload of this machine, a zoo model) and on which network."""
+    src = p.add_argument_group("the model of the step (one of)")
+    src.add_argument("--workload", help="a commsched bench workload (profiled on this machine, cached), "
+                                        "or module:function")
+    src.add_argument("--profile", help="a profile JSON (commsched profile / DistributedOptimizer.profile())")
+    src.add_argument("--model", help="a zoo model: resnet50, vgg16, bert-large, gpt2-xl, gpt-7b, gpt-70b")
+    src.add_argument("--device", default="h100", help="zoo: the device whose peak the model runs at (default h100)")
+    src.add_argument("--efficiency", type=float, default=0.4, help="zoo: share of the device peak (default 0.4)")
+    src.add_argument("--batch-size", type=int, default=None, help="the per-rank batch size")
+    src.add_argument("--seq-len", type=int, default=None, help="zoo decoders: tokens per sample")
+    src.add_argument("--tp", type=int, default=1, help="zoo: tensor-parallel ways (each DP rank reduces 1/(tp*pp))")
+    src.add_argument("--pp", type=int, default=1, help="zoo: pipeline-parallel stages")
+    net = p.add_argument_group("the network (an emulated cluster, a described one, or a topology file)")
+    net.add_argument("--workers", type=int, default=None, help="ranks of the emulated cluster (as commsched bench)")
+    net.add_argument("--nodes", type=int, default=None, help="nodes of the emulated cluster")
+    net.add_argument("--bandwidth", default=None, help="emulated: the shaped link of each node, e.g. 1gbit")
+    net.add_argument("--intra-bandwidth", default=None, help="emulated: the link between ranks of a node")
+    net.add_argument("--cluster", default=None, help="described: NODESxRANKS, e.g. 16x8")
+    net.add_argument("--intra", default="900GB/s", help="described: bandwidth between ranks of a node")
+    net.add_argument("--inter", default="100gbit", help="described: one node's link to the network")
+    net.add_argument("--rails", type=int, default=1, help="described: NICs per node (rail-aligned rings)")
+    net.add_argument("--topology", default=None, help="a topology JSON (commsched probe)")
+
+
+def load_topology(args: argparse.Namespace) -> Topology:
+    """The topology the arguments name; ``ValueError`` naming the flags when they do not add up."""
+    chosen = [flag for flag, value in (("--topology", args.topology), ("--cluster", args.cluster),
+                                       ("--bandwidth", args.bandwidth)) if value]
+    if len(chosen) != 1:
+        raise ValueError("name the network once: --workers N --bandwidth B (emulated), --cluster NxR --intra X "
+                         f"--inter Y (described) or --topology T.json; got {chosen or 'none'}")
+    if args.topology:
+        return Topology.from_json(args.topology)
+    if args.cluster:
+        return Topology.described(args.cluster, intra=args.intra, inter=args.inter, rails=args.rails)
+    return Topology.emulated(args.workers or 2, args.nodes, args.bandwidth, args.intra_bandwidth)
+
+
+def load_profile(args: argparse.Namespace, topology: Topology) -> Profile:
+    """The profile the arguments name (profiling the workload here when no cached one fits)."""
+    chosen = [flag for flag, value in (("--profile", args.profile), ("--workload", args.workload),
+                                       ("--model", args.model)) if value]
+    if len(chosen) != 1:
+        raise ValueError(f"name the model of the step once: --profile P, --workload W or --model M; got "
+                         f"{chosen or 'none'}")
+    if args.profile:
+        return Profile.from_json(args.profile)
+    if args.model:
+        from commsched.costmodel.zoo import zoo_profile
+
+        return zoo_profile(args.model, args.device, batch_size=args.batch_size, seq_len=args.seq_len,
+                           efficiency=args.efficiency, tp=args.tp, pp=args.pp)
+    try:
+        from commsched.plugins.torch.profiler import load_or_profile
+    except ImportError as exc:
+        raise SystemExit(f"commsched simulate --workload needs the torch plugin to profile the workload ({exc}); "
+                         "pass --profile P or --model M, or pip install 'commsched[torch]'") from exc
+    meta = topology.meta
+    return load_or_profile(args.workload, batch_size=args.batch_size, workers=int(meta.get("workers", 2)),
+                           nodes=meta.get("nodes"), bandwidth=meta.get("bandwidth"),
+                           intra_bandwidth=meta.get("intra_bandwidth"))
+
+
+def settings_from(args: argparse.Namespace) -> SimSettings:
+    for flag, mb in (("--partition-mb", args.partition_mb), ("--credit-mb", args.credit_mb)):
+        if not (mb > 0 and mb * MB >= 1):
+            raise ValueError(f"{flag} {mb!r} must be a positive size of at least one byte (in MB), e.g. 1")
+    return SimSettings(partition_bytes=int(args.partition_mb * MB), credit_bytes=int(args.credit_mb * MB),
+                       steps=args.sim_steps)
+
+
+# ----------------------------------------------------------------- reports
+def predicted_report(profile: Profile, topology: Topology, results: list[SimResult], settings: SimSettings,
+                     strategies: list[str], *, workload: str, batch_size: int | None,
+                     timelines: dict[str, str] | None = None) -> dict[str, Any]:
+    """The bench report schema, filled from the simulation (``"predicted": true``)."""
+    comm = allreduce_s(topology, profile.grad_bytes, settings.algorithm) if topology.world_size > 1 else 0.0
+    compute = profile.compute_s
+    baseline = {
+        "forward_s": profile.forward_s, "backward_s": profile.backward_s, "optimizer_s": profile.apply_s,
+        "compute_s": compute, "compute_one_worker_s": None, "comm_s": comm, "comm_cpu_busy": None,
+        "comm_workers_cpu_busy": None, "forward_under_comm_s": profile.forward_s * profile.contention,
+        "backward_under_comm_s": profile.backward_s * profile.contention,
+        "compute_under_comm_s": compute * profile.contention, "under_comm_coverage": None,
+        "lower_bound_s": max(compute, comm), "no_overlap_s": compute + comm,
+        "ddp_model_s": profile.forward_s + max(profile.backward_s, comm) + profile.apply_s,
+    }
+    baseline["ceiling_speedup_vs_ddp"] = (max(1.0, baseline["ddp_model_s"] / baseline["lower_bound_s"])
+                                          if baseline["lower_bound_s"] else None)
+    samples = (batch_size or profile.batch_size or 1) * topology.world_size
+    entries = []
+    for r in results:
+        entries.append(result_entry(
+            r.strategy, "ok", reason=None, measured_steps=len(r.step_times_s), step_time_s=r.step_time_s,
+            step_time_p25_s=min(r.step_times_s), step_time_p75_s=max(r.step_times_s),
+            step_time_iqr_s=max(r.step_times_s) - min(r.step_times_s), mean_step_time_s=r.step_time_s,
+            throughput_samples_s=samples / r.step_time_s, bubble_s=r.exposed_comm_s,
+            bubble_method="simulated: time the compute lane waits on the network",
+            overlap_ratio=r.overlap_ratio, efficiency=baseline["lower_bound_s"] / r.step_time_s,
+            pieces_per_step=r.pieces_per_step, timeline=(timelines or {}).get(r.strategy),
+            stats={"comm_busy_s": r.comm_busy_s, "compute_s": r.compute_s}))
+    meta = topology.meta
+    config = {"workload": workload, "workers": topology.world_size, "nodes": topology.nodes,
+              "bandwidth": meta.get("bandwidth") or meta.get("inter"),
+              "intra_bandwidth": meta.get("intra_bandwidth") or meta.get("intra"),
+              "strategies": strategies, "steps": settings.steps, "warmup": 1, "baseline_steps": None,
+              "batch_size": batch_size or profile.batch_size, "partition_bytes": settings.partition_bytes,
+              "credit_bytes": settings.credit_bytes, "network": topology.source, "seed": None,
+              "extra": {"topology": topology.to_dict(), "profile_source": profile.source,
+                        "contention": profile.contention, "algorithm": settings.algorithm}}
+    layers = [{"name": layer.name, "bytes": layer.grad_bytes} for layer in profile.layers]
+    work = {"name": workload, "description": profile.source, "param_bytes": profile.grad_bytes,
+            "num_params": sum(t.numel for layer in profile.layers for t in layer.tensors), "layers": layers}
+    report = assemble_report("torch", config, "simulated", f"commsched simulator on {topology.describe()}",
+                             work, baseline, entries, [])
+    report["predicted"] = True
+    return report
+
+
+def _write_timelines(results: list[SimResult], directory: str | None) -> dict[str, str]:
+    if not directory:
+        return {}
+    os.makedirs(directory, exist_ok=True)
+    paths = {}
+    for r in results:
+        path = os.path.join(directory, f"sim-{r.strategy.replace(':', '_')}.json")
+        with open(path, "w") as fh:
+            fh.write(r.trace_json())
+        paths[r.strategy] = path
+    return paths
+
+
+# ---------------------------------------------------------------- simulate
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    add_source_arguments(p)
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                   help=f"comma-separated (default {DEFAULT_STRATEGIES}; also allreduce, hierarchical)")
+    p.add_argument("--partition-mb", type=float, default=1.0, help="commsched piece size, MB (as bench)")
+    p.add_argument("--credit-mb", type=float, default=4.0, help="commsched credit, MB (as bench)")
+    p.add_argument("--sim-steps", type=int, default=5, help="simulated steps (the first is warm-up)")
+    p.add_argument("--json", default=None, help="write the predicted report (bench schema) here")
+    p.add_argument("--timelines", default=None, help="write a Chrome trace per strategy into this folder")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        for name in strategies:
+            parse_sim_strategy(name)
+        settings = settings_from(args)
+        topology = load_topology(args)
+        profile = load_profile(args, topology)
+    except ValueError as exc:
+        print(f"commsched simulate: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.process_time()
+    results = [simulate(profile, topology, name, settings) for name in strategies]
+    cpu = time.process_time() - t0
+    report = predicted_report(profile, topology, results, settings, strategies,
+                              workload=args.workload or args.model or os.path.basename(args.profile or "profile"),
+                              batch_size=args.batch_size, timelines=_write_timelines(results, args.timelines))
+    report["config"]["extra"]["simulator_cpu_s_per_step"] = cpu / (len(strategies) * settings.steps)
+    print(markdown(report))
+    print(f"simulated {len(strategies)} strategies x {settings.steps} steps in {cpu:.2f} s of CPU "
+          f"({report['config']['extra']['simulator_cpu_s_per_step'] * 1e3:.1f} ms per simulated step)")
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
+# ---------------------------------------------------------------- validate
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's τ-a of two equally long lists (1: same order, -1: reversed); 1.0 for fewer than 2."""
+    if len(a) != len(b):
+        raise ValueError("kendall_tau needs lists of equal length")
+    pairs = list(itertools.combinations(range(len(a)), 2))
+    if not pairs:
+        return 1.0
+    score = 0
+    for i, j in pairs:
+        x, y = a[i] - a[j], b[i] - b[j]
+        score += (x * y > 0) - (x * y < 0)
+    return score / len(pairs)
+
+
+def add_validate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workloads", default="comm-heavy,balanced,compute-heavy,gpt2")
+    p.add_argument("--bandwidths", default="1gbit,500mbit")
+    p.add_argument("--topologies", default="2,4x2", help="comma-separated WORKERS or WORKERSxNODES (default 2,4x2)")
+    p.add_argument("--strategies", default="ddp,ddp:4,fifo,dynamic")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--partition-mb", type=float, default=1.0)
+    p.add_argument("--credit-mb", type=float, default=4.0)
+    p.add_argument("--sim-steps", type=int, default=5)
+    p.add_argument("--out-dir", default="out/validate", help="bench and predicted reports of each configuration")
+    p.add_argument("--reuse", action="store_true", help="reuse bench reports already in --out-dir")
+    p.add_argument("--json", required=True, help="write the validation summary here")
+
+
+def _grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    grid = []
+    for w in [x.strip() for x in args.workloads.split(",") if x.strip()]:
+        for bw in [x.strip() for x in args.bandwidths.split(",") if x.strip()]:
+            for topo in [x.strip() for x in args.topologies.split(",") if x.strip()]:
+                workers, _, nodes = topo.partition("x")
+                if not workers.isdigit() or (nodes and not nodes.isdigit()):
+                    raise ValueError(f"--topologies entry {topo!r} must be WORKERS or WORKERSxNODES, e.g. 4x2")
+                grid.append({"workload": w, "bandwidth": bw, "workers": int(workers),
+                             "nodes": int(nodes) if nodes else None})
+    return grid
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    try:
+        grid = _grid(args)
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        for name in strategies:
+            parse_sim_strategy(name)
+        settings = settings_from(args)
+    except ValueError as exc:
+        print(f"commsched validate: {exc}", file=sys.stderr)
+        return 2
+    from commsched.plugins.torch.profiler import load_or_profile  # profiling needs torch
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    rows = []
+    for i, cfg in enumerate(grid, 1):
+        tag = f"{cfg['workload']}-{cfg['bandwidth']}-{cfg['workers']}x{cfg['nodes'] or cfg['workers']}"
+        bench_json = os.path.join(args.out_dir, f"bench-{tag}.json")
+        print(f"[{i}/{len(grid)}] {tag}", file=sys.stderr, flush=True)
+        if not (args.reuse and os.path.exists(bench_json)):
+            cmd = [sys.executable, "-m", "commsched", "bench", "--workload", cfg["workload"],
+                   "--workers", str(cfg["workers"]), "--bandwidth", cfg["bandwidth"],
+                   "--strategies", ",".join(strategies), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--partition-mb", str(args.partition_mb), "--credit-mb", str(args.credit_mb),
+                   "--json", bench_json]
+            if cfg["nodes"]:
+                cmd += ["--nodes", str(cfg["nodes"])]
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, timeout=3600)
+            if done.returncode != 0 or not os.path.exists(bench_json):
+                rows.append({**cfg, "status": "bench failed", "returncode": done.returncode})
+                continue
+        with open(bench_json) as fh:
+            measured = {r["strategy"]: r["step_time_s"] for r in json.load(fh)["results"] if r["status"] == "ok"}
+        topology = Topology.emulated(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
+        profile = load_or_profile(cfg["workload"], workers=cfg["workers"], nodes=cfg["nodes"],
+                                  bandwidth=cfg["bandwidth"])
+        names = [s for s in strategies if s in measured]
+        predicted = {s: simulate(profile, topology, s, settings).step_time_s for s in names}
+        errors = {s: (predicted[s] - measured[s]) / measured[s] for s in names}
+        rows.append({**cfg, "status": "ok", "measured_s": measured, "predicted_s": predicted, "error": errors,
+                     "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])})
+        print(f"    errors {', '.join(f'{s} {e:+.1%}' for s, e in errors.items())}; "
+              f"tau {rows[-1]['kendall_tau']:.2f}", file=sys.stderr, flush=True)
+    ok = [r for r in rows if r["status"] == "ok"]
+    errs = [abs(e) for r in ok for e in r["error"].values()]
+    summary = {"configurations": len(rows), "ok": len(ok), "points": len(errs),
+               "mean_abs_error": sum(errs) / len(errs) if errs else None, "max_abs_error": max(errs, default=None),
+               "min_kendall_tau": min((r["kendall_tau"] for r in ok), default=None),
+               "targets": {"mean_abs_error": 0.05, "max_abs_error": 0.10, "kendall_tau": 0.8}}
+    with open(args.json, "w") as fh:
+        json.dump({"summary": summary, "configurations": rows}, fh, indent=1)
+    print(json.dumps(summary, indent=1))
+    return 0 if len(ok) == len(rows) else 1
+
+
+# ------------------------------------------------------------------ advise
+def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, ...] = (0.5, 1, 2, 4, 16),
+           credit_mb: tuple[float, ...] = (2, 4, 8, 32)) -> dict[str, Any]:
+    """Whether scheduling helps this model on this network, by how much, with which settings, and why."""
+    ddp = min((simulate(profile, topology, name) for name in ("ddp", "ddp:4", "ddp:1")),
+              key=lambda r: r.step_time_s)
+    candidates = [(simulate(profile, topology, "fifo"), {"ordering": "fifo"})]
+    for p_mb, c_mb in itertools.product(partition_mb, credit_mb):
+        if c_mb < p_mb:
+            continue
+        s = SimSettings(partition_bytes=int(p_mb * MB), credit_bytes=int(c_mb * MB))
+        chosen = {"ordering": "dynamic", "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
+        candidates.append((simulate(profile, topology, "dynamic", s), chosen))
+    best, settings = min(candidates, key=lambda c: c[0].step_time_s)
+    speedup = ddp.step_time_s / best.step_time_s
+    comm = allreduce_s(topology, profile.grad_bytes, "ring") if topology.world_size > 1 else 0.0
+    algo, algo_s = best_algorithm(topology, profile.grad_bytes) if topology.world_size > 1 else ("ring", 0.0)
+    bound = max(profile.compute_s, comm)
+    reasons = []
+    if comm <= profile.backward_s:
+        reasons.append(f"communication ({comm:.3g} s) fits inside backward ({profile.backward_s:.3g} s): DDP "
+                       "already hides it, scheduling can only remove the last bucket's tail")
+    else:
+        reasons.append(f"communication ({comm:.3g} s) outlasts backward ({profile.backward_s:.3g} s): overlapping "
+                       "it with the next forward is where the time is")
+    if comm > profile.compute_s:
+        reasons.append(f"communication-bound: no schedule beats the all-reduce itself ({comm:.3g} s > compute "
+                       f"{profile.compute_s:.3g} s); only fewer bytes or a faster algorithm help")
+    first = profile.layers[0].grad_bytes / max(1, profile.grad_bytes)
+    if first > 0.2:
+        reasons.append(f"the first layer is needed first, ready last and large ({first:.0%} of the gradient): its "
+                       "reduction cannot overlap with this step's backward")
+    if algo != "ring" and algo_s < comm * 0.95:
+        reasons.append(f"the {algo} algorithm would cut the all-reduce from {comm:.3g} s to {algo_s:.3g} s "
+                       "(the topology planner chooses it per piece)")
+    helps = speedup >= 1.03
+    return {"helps": helps, "expected_speedup_vs_ddp": speedup, "best_ddp": ddp.strategy,
+            "best_ddp_step_s": ddp.step_time_s, "commsched_step_s": best.step_time_s, "settings": settings,
+            "lower_bound_s": bound, "efficiency": bound / best.step_time_s, "reasons": reasons}
+
+
+def add_advise_arguments(p: argparse.ArgumentParser) -> None:
+    add_source_arguments(p)
+    p.add_argument("--json", default=None, help="write the advice as JSON here")
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    try:
+        topology = load_topology(args)
+        profile = load_profile(args, topology)
+    except ValueError as exc:
+        print(f"commsched advise: {exc}", file=sys.stderr)
+        return 2
+    out = advise(profile, topology)
+    verdict = "will help" if out["helps"] else "will not help"
+    print(f"scheduling {verdict} here: expected speedup over the best DDP ({out['best_ddp']}) "
+          f"{out['expected_speedup_vs_ddp']:.2f}x ({out['best_ddp_step_s']:.4g} s -> {out['commsched_step_s']:.4g} s "
+          f"per step; bound {out['lower_bound_s']:.4g} s)")
+    print(f"recommended settings: {out['settings']}")
+    for reason in out["reasons"]:
+        print(f"- {reason}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0

@@ -1,0 +1,93 @@
+"""`commsched simulate`, `advise` and the pieces of `validate`: contracts and the report schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from commsched.bench.report import REPORT_KEYS, RESULT_KEYS
+from commsched.cli import main
+from commsched.costmodel.cli import _grid, advise, kendall_tau
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+from commsched.costmodel.topology import Topology
+
+MB = 1 << 20
+
+
+def _profile(tmp_path, layer0_mb: float = 1.0) -> str:
+    layers = tuple(LayerProfile(f"l{i}", 0.01, 0.02, (TensorSpec(f"l{i}.w", int(mb * MB) // 4),), apply_s=0.001)
+                   for i, mb in enumerate([layer0_mb, 4, 4, 8]))
+    path = tmp_path / "p.json"
+    Profile(layers=layers, batch_size=32, source="test").to_json(str(path))
+    return str(path)
+
+
+def test_simulate_writes_the_bench_schema_marked_predicted(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", "--profile", _profile(tmp_path), "--workers", "2", "--bandwidth", "1gbit",
+               "--strategies", "ddp,ddp:4,fifo,dynamic,static,allreduce", "--json", str(out),
+               "--timelines", str(tmp_path / "tl")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert set(report) == set(REPORT_KEYS) and report["predicted"] is True
+    assert [r["strategy"] for r in report["results"]] == ["ddp", "ddp:4", "fifo", "dynamic", "static", "allreduce"]
+    for r in report["results"]:
+        assert set(r) == set(RESULT_KEYS) and r["status"] == "ok" and r["step_time_s"] > 0
+        assert json.loads(open(r["timeline"]).read())["traceEvents"]
+    by = {r["strategy"]: r for r in report["results"]}
+    assert by["ddp"]["speedup_vs_baseline"] == pytest.approx(1.0)
+    assert by["allreduce"]["step_time_s"] >= max(by[s]["step_time_s"] for s in ("ddp", "dynamic"))
+    assert "| strategy |" in capsys.readouterr().out
+
+
+def test_simulate_a_zoo_model_on_a_described_cluster(tmp_path):
+    out = tmp_path / "z.json"
+    assert main(["simulate", "--model", "gpt-7b", "--cluster", "16x8", "--intra", "900GB/s", "--inter", "100gbit",
+                 "--strategies", "ddp,dynamic", "--partition-mb", "16", "--credit-mb", "64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["workers"] == 128 and report["workload"]["description"] == "zoo:gpt-7b@h100"
+    comm = report["baseline"]["comm_s"]
+    assert all(r["step_time_s"] >= comm for r in report["results"])  # no schedule beats the all-reduce
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--workers", "2", "--bandwidth", "1gbit"], "name the model"),
+    (["--model", "gpt-7b"], "name the network"),
+    (["--model", "gpt-7b", "--cluster", "16x8", "--bandwidth", "1gbit"], "name the network once"),
+    (["--model", "nope", "--cluster", "2x2"], "nope"),
+    (["--model", "gpt-7b", "--cluster", "16-8"], "NODESxRANKS"),
+    (["--model", "gpt-7b", "--cluster", "2x2", "--strategies", "ddp,bogus"], "bogus"),
+    (["--model", "gpt-7b", "--cluster", "2x2", "--partition-mb", "1e-9"], "--partition-mb"),
+])
+def test_bad_simulate_flags_get_a_clear_error_and_exit_2(argv, needle, capsys):
+    assert main(["simulate", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_advise_says_no_where_backward_hides_communication_and_yes_where_it_cannot(tmp_path):
+    fast = Topology.emulated(2, None, "100gbit")
+    hidden = advise(Profile.from_json(_profile(tmp_path)), fast)
+    assert hidden["helps"] is False and "already hides" in " ".join(hidden["reasons"])
+    slow = Topology.emulated(2, None, "500mbit")
+    heavy = advise(Profile.from_json(_profile(tmp_path)), slow)
+    assert heavy["expected_speedup_vs_ddp"] > 1.03 and heavy["helps"] is True
+    assert heavy["efficiency"] <= 1.0 + 1e-9
+
+
+def test_kendall_tau_counts_concordant_pairs():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    with pytest.raises(ValueError):
+        kendall_tau([1], [1, 2])
+
+
+def test_the_validation_grid_is_workloads_by_bandwidths_by_topologies():
+    class A:
+        workloads, bandwidths, topologies = "a,b", "1gbit,500mbit", "2,4x2"
+    grid = _grid(A())
+    assert len(grid) == 8 and {"workload": "b", "bandwidth": "500mbit", "workers": 4, "nodes": 2} in grid
+    A.topologies = "4y2"
+    with pytest.raises(ValueError, match="WORKERSxNODES"):
+        _grid(A())
