@@ -4,6 +4,8 @@
 #   make venv     create/update .venv (quick when nothing changed)
 #   make horovod  build Horovod 0.28.1 once per machine, or install it from the cache
 #   make lint     ruff
+#   make faults   the kill matrix (20 seeded kills per backend) -> faults.json
+#   make soak     2,000 steps per backend: RSS, threads, store keys -> soak.json
 #   make clean    build artefacts and caches in the tree (distclean: also .venv)
 
 SHELL := /bin/bash
@@ -20,7 +22,7 @@ VENV_DEPS := setup.py pyproject.toml $(wildcard requirements/*.txt) \
 
 export VENV PYTHON
 
-.PHONY: venv horovod test demo lint clean distclean
+.PHONY: venv horovod test demo lint clean distclean faults soak
 
 venv: $(VENV_STAMP)
 
@@ -35,6 +37,12 @@ horovod: venv
 test: venv horovod
 	timeout --kill-after=30 $(TEST_TIMEOUT) $(PY) -m pytest tests \
 		-p no:cacheprovider --import-mode=importlib $(PYTEST_ARGS)
+
+faults: venv horovod
+	$(PY) scripts/faults.py --kills 20 --out faults.json
+
+soak: venv horovod
+	$(PY) scripts/soak.py --steps 2000 --out soak.json
 
 demo: venv
 	$(PY) -m commsched.demo

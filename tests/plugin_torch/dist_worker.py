@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -161,7 +162,10 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             diffs[name] = float((p.detach().double() - q.detach().double()).abs().max())
             bitwise &= bool(torch.equal(p, q))
         stats = opt.stats()
-        result.update(bitwise=bitwise, max_diff=max(diffs.values()), diffs=diffs,
+        digest = hashlib.sha256()
+        for p in model.parameters():
+            digest.update(p.detach().contiguous().numpy().tobytes())
+        result.update(bitwise=bitwise, param_sha256=digest.hexdigest(), max_diff=max(diffs.values()), diffs=diffs,
                       stats={k: v for k, v in stats.items() if k != "scheduler"},
                       order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"])
     except Exception as exc:  # reported to the test, which asserts on it
