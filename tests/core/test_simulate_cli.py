@@ -91,3 +91,12 @@ def test_the_validation_grid_is_workloads_by_bandwidths_by_topologies():
     A.topologies = "4y2"
     with pytest.raises(ValueError, match="WORKERSxNODES"):
         _grid(A())
+
+
+def test_the_seed_table_shows_seconds_for_70b_on_100gbit_and_what_its_claim_would_need(capsys):
+    assert main(["simulate", "--seed-table", "--strategies", "ddp,dynamic", "--partition-mb", "64",
+                 "--credit-mb", "256", "--sim-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| as claimed")]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 10 for r in rows)  # seconds, not the claimed 185 ms
+    assert "185.0 ms" in out and "1/" in out and "consistent: gpt-7b" in out
