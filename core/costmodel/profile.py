@@ -90,7 +90,10 @@ class Profile:
     progress on the same machine (measured: forward + backward under a concurrent
     all-reduce / alone). ``step_overhead_s``: per step, outside the layers (loss, data).
     ``per_piece_cpu_s``: the scheduler's own CPU per piece (``python -m
-    commsched.bench.overhead``).
+    commsched.bench.overhead``). ``optimizer_step_s``: the wrapped optimizer's own
+    ``step()`` over all parameters at once, as DDP, Horovod and the synchronous path
+    call it (``None``: the sum of the layers' ``apply_s``, the per-layer update that
+    cross-iteration runs in the next forward).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -99,6 +102,7 @@ class Profile:
     contention: float = 1.0
     step_overhead_s: float = 0.0
     per_piece_cpu_s: float = 12e-6
+    optimizer_step_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,6 +119,8 @@ class Profile:
             raise ValueError(f"contention={self.contention!r} must be >= 1 (compute under communication / alone)")
         _check_time("profile", "step_overhead_s", self.step_overhead_s)
         _check_time("profile", "per_piece_cpu_s", self.per_piece_cpu_s)
+        if self.optimizer_step_s is not None:
+            _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
 
     # ------------------------------------------------------------- derived
     @property
@@ -130,9 +136,15 @@ class Profile:
         return sum(layer.apply_s for layer in self.layers)
 
     @property
+    def step_optimizer_s(self) -> float:
+        """The optimizer's ``step()`` over all parameters at once (see ``optimizer_step_s``)."""
+        return self.apply_s if self.optimizer_step_s is None else self.optimizer_step_s
+
+    @property
     def compute_s(self) -> float:
-        """Forward + backward + optimizer + per-step overhead, with no communication."""
-        return self.forward_s + self.backward_s + self.apply_s + self.step_overhead_s
+        """Forward + backward + one optimizer step + per-step overhead, with no communication
+        (the bench's ``compute_s``)."""
+        return self.forward_s + self.backward_s + self.step_optimizer_s + self.step_overhead_s
 
     @property
     def grad_bytes(self) -> int:
@@ -162,7 +174,8 @@ class Profile:
                           for t in layer.tensors)) for layer in self.layers)
         return Profile(layers=layers, source=source or self.source, batch_size=self.batch_size,
                        contention=self.contention, step_overhead_s=self.step_overhead_s * compute,
-                       per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta))
+                       per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta),
+                       optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute)
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -189,7 +202,8 @@ class Profile:
             return cls(layers=layers, source=data.get("source", "unknown"), batch_size=data.get("batch_size"),
                        contention=float(data.get("contention", 1.0)),
                        step_overhead_s=float(data.get("step_overhead_s", 0.0)),
-                       per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})))
+                       per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})),
+                       optimizer_step_s=data.get("optimizer_step_s"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc!r}); see "
                              "commsched.costmodel.profile for the schema") from None

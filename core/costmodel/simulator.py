@@ -447,7 +447,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         if model.kind == "allreduce":
             lane.append(("fire", "all-reduce", 0.0, _always, allreduce_after_backward(s)))
         if not cross:  # DDP blocks in backward, Horovod in step(), allreduce in its step: then the optimizer
-            lane.append(("apply", "optimizer step", profile.apply_s, step_done(s), None))
+            lane.append(("apply", "optimizer step", profile.step_optimizer_s, step_done(s), None))
     # the boundary after the last step is where a next step would start
     lane.append(("mark", "end", 0.0, (layer_done(steps - 1, 0) if cross else _always), None))
     sim.run()
