@@ -52,6 +52,7 @@ from typing import Sequence
 from commsched.config import ORDERINGS
 from commsched.partition import piece_bounds
 from commsched.policy import Unstarted, replay_policy
+from commsched.task import Piece, Task
 
 __all__ = ["CostModel", "Plan", "PlannedPiece", "PlanTensor", "backward_ready_times", "plan"]
 
@@ -148,34 +149,6 @@ class Plan:
         return out
 
 
-@dataclass(frozen=True)
-class _ReplayTask:
-    tensor: int  # index into plan()'s tensors
-    name: str
-    priority: int
-    seq: int
-    step: int = 0
-
-
-@dataclass(frozen=True)
-class _ReplayPiece:
-    """What a dispatch policy reads of a piece: ``task``, ``name``, ``nbytes``, ``key``."""
-
-    task: _ReplayTask
-    index: int
-    start: int
-    stop: int
-    nbytes: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.task.name}#{self.index}"
-
-    @property
-    def key(self) -> tuple[int, int, int, int]:
-        return (self.task.step, self.task.priority, self.task.seq, self.index)
-
-
 def backward_ready_times(nbytes: Sequence[int], cost: CostModel | None = None) -> list[float]:
     """Modelled ready time of each gradient, for tensors listed in forward order.
 
@@ -233,9 +206,10 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
         while next_arrival < len(arrival) and tensors[arrival[next_arrival]].ready <= upto:
             i = arrival[next_arrival]
             t = tensors[i]
-            task = _ReplayTask(i, t.name, t.priority, seq_of[i])
+            task = Task(name=t.name, tensor=i, priority=t.priority, step=0, seq=seq_of[i], future=None,
+                        on_done=None, submitted_us=0.0)  # the scheduler's own types; tensor: its index here
             for index, (lo, hi) in enumerate(piece_bounds(t.numel, t.element_size, partition_bytes)):
-                policy.add(_ReplayPiece(task, index, lo, hi, (hi - lo) * t.element_size))
+                policy.add(Piece(task, index, lo, hi, (hi - lo) * t.element_size, None, f"{t.name}#{index}"))
             next_arrival += 1
 
     while True:
