@@ -25,7 +25,7 @@ from typing import Any
 
 from commsched.bench.cpu import BUSY_WARNING, CpuWindow
 from commsched.bench.netns import NetworkSetupError, make_cluster, parse_rate
-from commsched.bench.options import parse_strategy_list
+from commsched.bench.options import mebibytes, parse_strategy_list
 from commsched.bench.procs import signals_raise
 from commsched.bench.report import (
     assemble_report,
@@ -78,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "without); loopback: unshaped 127.0.0.1")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="samples per worker per step (default: the workload's)")
-    parser.add_argument("--partition-mb", type=float, default=1.0,
+    parser.add_argument("--partition-mb", type=mebibytes, default=1.0,
                         help="commsched piece size in MiB (default 1)")
-    parser.add_argument("--credit-mb", type=float, default=4.0,
+    parser.add_argument("--credit-mb", type=mebibytes, default=4.0,
                         help="commsched bytes in flight in MiB (default 4)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds one phase (one strategy) may take before its workers "

@@ -9,7 +9,23 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-__all__ = ["CLASSES", "INPUTS", "add_mlp_bench_arguments", "mlp_param_count", "mlp_workload", "parse_strategy_list"]
+__all__ = ["CLASSES", "INPUTS", "add_mlp_bench_arguments", "mebibytes", "mlp_param_count", "mlp_workload", "parse_strategy_list"]
+
+
+def mebibytes(text: str) -> float:
+    """argparse type of ``--partition-mb``/``--credit-mb``: a size in MiB of at least one byte.
+
+    A size that rounds to 0 bytes (``1e-9``) would pass a ``> 0`` check and then fail
+    inside every worker; it is refused here, as an argparse error naming the fix.
+    """
+    try:
+        mb = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of MiB; give e.g. 1 or 0.25") from None
+    if not 1 <= mb * (1 << 20) < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text} MiB is less than one byte (or not finite); give at least {1 / (1 << 20):.3g} MiB, e.g. 1")
+    return mb
 
 
 def add_mlp_bench_arguments(parser: argparse.ArgumentParser, *, strategies: Sequence[str], default_strategies: str,
@@ -28,9 +44,9 @@ def add_mlp_bench_arguments(parser: argparse.ArgumentParser, *, strategies: Sequ
     parser.add_argument("--batch-size", type=int, default=128, help="samples per worker per step (default 128)")
     parser.add_argument("--steps", type=int, default=15, help="measured steps (default 15)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps first (default 4)")
-    parser.add_argument("--partition-mb", type=float, default=partition_mb,
+    parser.add_argument("--partition-mb", type=mebibytes, default=partition_mb,
                         help=f"commsched piece size in MiB (default {partition_mb:g}{partition_note})")
-    parser.add_argument("--credit-mb", type=float, default=credit_mb,
+    parser.add_argument("--credit-mb", type=mebibytes, default=credit_mb,
                         help=f"commsched bytes in flight in MiB (default {credit_mb:g})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per strategy (default 600)")
     parser.add_argument("--json", required=True, metavar="PATH", help="write the report here")
