@@ -44,6 +44,9 @@ SUBCOMMANDS = {
     "profile": ("commsched.plugins.torch.profiler",
                 "per-layer profile of a benchmark workload as `commsched bench` runs it, for the simulator "
                 "(needs torch)"),
+    "probe": ("commsched.plugins.torch.probe",
+              "measure the emulated cluster's links (gloo sweeps 4 KiB - 64 MiB) and fit alpha/beta per link "
+              "class into a topology (needs torch)"),
 }
 
 

@@ -695,42 +695,10 @@ def _worker_main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------- CLI
-def _rate(text: str) -> str:
-    from commsched.bench.netns import parse_rate
-    try:
-        parse_rate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--workers --nodes --bandwidth --intra-bandwidth --network``, as ``commsched bench`` reads them."""
-    parser.add_argument("--workers", type=_positive, default=2, help="data-parallel ranks (default 2)")
-    parser.add_argument("--nodes", type=_positive, default=None,
-                        help="emulated machines; must divide --workers (default: one node per worker)")
-    parser.add_argument("--bandwidth", type=_rate, default="1gbit",
-                        help="rate of every node link, each direction, as tc writes it (1gbit, 500mbit) "
-                             "or 'none' (default 1gbit)")
-    parser.add_argument("--intra-bandwidth", type=_rate, default="none",
-                        help="rate shared by all traffic between workers of one node, or 'none' (default)")
-    parser.add_argument("--network", choices=("netns", "loopback"), default="netns",
-                        help="netns: shaped namespaces (needs root; falls back to loopback); loopback: unshaped")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``commsched profile`` flags."""
     from commsched.bench.cli import WORKLOAD_CHOICES
+    from commsched.plugins.torch.probe import _positive, add_cluster_arguments
     parser.description = ("Profile a benchmark workload as `commsched bench` runs it with the same flags: "
                           "per-layer forward/backward/ready/apply times, gradient tensors, contention.")
     parser.add_argument("--workload", choices=WORKLOAD_CHOICES, required=True, help="model to profile")

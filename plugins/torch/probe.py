@@ -1,0 +1,326 @@
+"""``commsched probe``: measure the emulated cluster's links with gloo and fit α-β per link class.
+
+On the cluster ``commsched bench`` builds for the same flags (:mod:`commsched.bench.netns`,
+one phase of its runner with this module as the worker), every rank joins one gloo
+job and sweeps message sizes from 4 KiB to 64 MiB (×4 per step, :data:`SIZES`):
+
+* ``intra`` (ranks of node 0, when a node has ≥ 2): a ring all-reduce on their group
+  and a ping-pong between ranks 0 and 1;
+* ``inter`` (local rank 0 of every node, when there are ≥ 2 nodes): a ring all-reduce
+  on their group and a ping-pong between rank 0 and the first rank of node 1;
+* ``world``: the all-reduce of all ranks (the bench's ``comm``), kept as a check.
+
+Each point is the median of ``repeats`` runs after one warm-up, every run behind a
+barrier; an all-reduce's time is the slowest member's median, as the bench's ``comm_s``.
+α and β of a class are fitted (:func:`commsched.costmodel.fit.fit_link`) to its
+all-reduce points with the ring coefficients — what the simulator predicts with them;
+the ping-pong fit is kept in ``meta`` beside it. A class this cluster does not have
+(one rank per node: no intra pairs) keeps the configured value of
+:meth:`Topology.emulated`, and ``meta`` says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+from commsched.costmodel.fit import LinkFit, Sample, fit_link, ping_pong, ring_allreduce
+from commsched.costmodel.topology import Link, Topology
+
+__all__ = ["SIZES", "add_arguments", "probe", "run"]
+
+#: Message sizes of the sweep, bytes: 4 KiB, 16 KiB, ..., 64 MiB.
+SIZES = tuple(4096 * 4 ** k for k in range(8))
+DEFAULT_REPEATS = 3
+#: A point further than this (relative) from the fit is dropped as disturbed by other load, down
+#: to 4 points per fit; meta lists them. On a quiet machine none is.
+MAX_RESIDUAL = 0.25
+
+
+# ------------------------------------------------------------------------- the parent
+def probe(workers: int, nodes: int | None, bandwidth: str | None, intra_bandwidth: str | None = None, *,
+          network: str = "netns", repeats: int = DEFAULT_REPEATS, sizes: tuple[int, ...] = SIZES,
+          timeout_s: float = 300.0, log_stream: Any = sys.stderr) -> Topology:
+    """Measure and fit the cluster of these flags; the :class:`Topology` with the raw points in ``meta``.
+
+    Raises ``ValueError`` on bad flags (before any namespace exists) and
+    ``RuntimeError`` when the measurement failed (its logs are named).
+    """
+    from commsched.bench.netns import NetworkSetupError, make_cluster, parse_rate
+    from commsched.bench.procs import signals_raise
+    from commsched.bench.runner import RunConfig, Runner, make_work_dir
+
+    nodes = workers if nodes is None else nodes
+    if workers < 1 or nodes < 1 or workers % nodes:
+        raise ValueError(f"--nodes {nodes} must divide --workers {workers} (e.g. --workers 4 --nodes 2)")
+    if workers < 2:
+        raise ValueError("--workers must be >= 2: one rank has no link to measure")
+    bandwidth = None if parse_rate(bandwidth) is None else bandwidth
+    intra_bandwidth = None if parse_rate(intra_bandwidth) is None else intra_bandwidth
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    configured = Topology.emulated(workers, nodes, bandwidth or "none", intra_bandwidth)
+    config = RunConfig(workload="tiny", workers=workers, nodes=nodes, bandwidth=bandwidth,
+                       intra_bandwidth=intra_bandwidth, strategies=[], steps=repeats, warmup=1, batch_size=1,
+                       partition_bytes=1 << 20, credit_bytes=4 << 20, network=network, phase_timeout_s=timeout_s)
+    cluster = make_cluster(network, nodes, bandwidth, intra_bandwidth)
+    work_dir = make_work_dir()
+    with open(os.path.join(work_dir, "sizes.json"), "w") as f:
+        json.dump(list(sizes), f)
+    started = time.monotonic()
+    try:
+        with signals_raise(), cluster:
+            runner = Runner(config, cluster, work_dir, worker_module=__name__, log=log_stream)
+            phase = runner.run_phase(0, "probe", "probe")
+    except NetworkSetupError as exc:
+        raise RuntimeError(f"cannot build the emulated network: {exc} (use --network loopback)") from exc
+    if phase.status != "ok":
+        raise RuntimeError(f"the probe failed: {phase.reason} (logs in {work_dir})")
+    points = _points(phase.ranks)
+    topo = _fit(points, workers, nodes, configured, bandwidth, intra_bandwidth, cluster,
+                time.monotonic() - started)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return topo
+
+
+def _points(ranks: list[dict]) -> dict[str, list[dict]]:
+    """Per measurement kind, one point per size: the slowest participant's median."""
+    out: dict[str, list[dict]] = {}
+    for kind in ranks[0]["kinds"]:
+        rows = []
+        for i, size in enumerate(ranks[0]["sizes"]):
+            meds = [_median(r["times"][kind][i]) for r in ranks if r["times"].get(kind) and r["times"][kind][i]]
+            rows.append({"bytes": size, "time_s": max(meds), "n": ranks[0]["kinds"][kind]})
+        out[kind] = rows
+    return out
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _samples(rows: list[dict], kind: str) -> list[Sample]:
+    if kind.endswith("pingpong"):
+        return [ping_pong(r["bytes"], r["time_s"]) for r in rows]
+    return [ring_allreduce(r["n"], r["bytes"], r["time_s"]) for r in rows]
+
+
+def _fit_info(fit: LinkFit, rows: list[dict]) -> dict[str, Any]:
+    kept = [r for i, r in enumerate(fit.residuals) if i not in fit.dropped]
+    return {"alpha_s": fit.alpha_s, "bandwidth": fit.bandwidth, "alpha_clamped": fit.alpha_clamped,
+            "rms_residual": (sum(r * r for r in kept) / len(kept)) ** 0.5,
+            "outliers": [rows[i]["bytes"] for i in fit.dropped],
+            "residuals": {str(r["bytes"]): res for r, res in zip(rows, fit.residuals, strict=True)}}
+
+
+def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: Topology, bandwidth: str | None,
+         intra_bandwidth: str | None, cluster: Any, wall_s: float) -> Topology:
+    fits: dict[str, Any] = {}
+    links: dict[str, Link] = {}
+    if "inter_allreduce" not in points and nodes >= 2 and workers == nodes:
+        points = {**points, "inter_allreduce": points["world_allreduce"]}  # one rank per node: the same ring
+    for cls in ("intra", "inter"):
+        for kind in (f"{cls}_allreduce", f"{cls}_pingpong"):
+            if kind in points:
+                fits[kind] = _fit_info(fit_link(_samples(points[kind], kind), MAX_RESIDUAL), points[kind])
+        chosen = fits.get(f"{cls}_allreduce")
+        if chosen is not None:
+            links[cls] = Link(chosen["alpha_s"], chosen["bandwidth"])
+        else:
+            links[cls] = getattr(configured, cls)
+            fits[cls] = "not measured (this cluster has no such pair): the configured value"
+    if "world_allreduce" in points:
+        fits["world_allreduce"] = _fit_info(fit_link(_samples(points["world_allreduce"], "world"), MAX_RESIDUAL),
+                                            points["world_allreduce"])
+    meta = {
+        "workers": workers, "nodes": nodes, "bandwidth": bandwidth, "intra_bandwidth": intra_bandwidth,
+        "emulation": cluster.emulation, "emulation_note": cluster.note, "wall_s": wall_s,
+        "how": "alpha, beta of each class: weighted least squares (relative residuals) of its ring all-reduce "
+               "sweep, t = 2(n-1) alpha + 2(n-1)/n S / beta; ping-pong fits (t = 2 alpha + S / beta) beside",
+        "points": points, "fits": fits,
+        "configured": {"intra": configured.intra.to_dict(), "inter": configured.inter.to_dict()},
+        "beta_vs_configured": {cls: links[cls].bandwidth / getattr(configured, cls).bandwidth
+                               for cls in ("intra", "inter")},
+    }
+    return Topology(nodes=nodes, ranks_per_node=workers // nodes, intra=links["intra"], inter=links["inter"],
+                    rails=1, source="probe", meta=meta)
+
+
+# ------------------------------------------------------------------------- the worker
+def _worker_main(argv: list[str] | None = None) -> int:
+    """One rank of the probe (started through the bench's runner, inside its node)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from commsched.plugins.torch.bench import worker
+
+    parser = argparse.ArgumentParser(description="commsched probe worker (started by commsched probe)")
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    worker._die_with_parent()
+    with open(args.spec) as f:
+        spec = json.load(f)
+    rank, world, nodes = args.rank, spec["world_size"], spec["nodes"]
+    per_node = world // nodes
+    with open(os.path.join(os.path.dirname(spec["run_dir"]), "sizes.json")) as f:
+        sizes = json.load(f)
+    repeats, warmup = spec["steps"], spec["warmup"]
+    progress = worker.Progress(spec["run_dir"], rank == 0)
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=spec["collective_timeout_s"]))
+        intra_ranks = list(range(per_node))
+        inter_ranks = [k * per_node for k in range(nodes)]
+        # new_group is collective: every rank creates every group, in the same order
+        intra = dist.new_group(intra_ranks) if per_node >= 2 else None
+        inter = dist.new_group(inter_ranks) if nodes >= 2 and per_node >= 2 else None
+        kinds: dict[str, int] = {"world_allreduce": world}
+        if intra is not None:
+            kinds.update(intra_allreduce=per_node, intra_pingpong=2)
+        if inter is not None:  # with one rank per node the world ring *is* the ring of the nodes
+            kinds["inter_allreduce"] = nodes
+        if nodes >= 2:
+            kinds["inter_pingpong"] = 2
+        times: dict[str, list[list[float]]] = {k: [[] for _ in sizes] for k in kinds}
+        answer = torch.zeros(1)
+
+        def allreduce(group: Any, members: list[int], buf: torch.Tensor) -> float | None:
+            if rank not in members:
+                return None
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            return time.perf_counter() - t0
+
+        def pingpong(peer_a: int, peer_b: int, buf: torch.Tensor) -> float | None:
+            if rank == peer_a:
+                t0 = time.perf_counter()
+                dist.send(buf, peer_b)
+                dist.recv(answer, peer_b)
+                return time.perf_counter() - t0
+            if rank == peer_b:
+                dist.recv(buf, peer_a)
+                dist.send(answer, peer_a)
+            return None
+
+        ops = {
+            "world_allreduce": lambda buf: allreduce(None, list(range(world)), buf),
+            "intra_allreduce": lambda buf: allreduce(intra, intra_ranks, buf),
+            "intra_pingpong": lambda buf: pingpong(0, 1, buf),
+            "inter_allreduce": lambda buf: allreduce(inter, inter_ranks, buf),
+            "inter_pingpong": lambda buf: pingpong(0, per_node, buf),
+        }
+        total = len(sizes) * len(kinds)
+        for i, size in enumerate(sizes):
+            buf = torch.zeros(size // 4)
+            for k, kind in enumerate(kinds):
+                op = ops[kind]
+                for rep in range(warmup + repeats):
+                    dist.barrier()
+                    took = op(buf)
+                    if took is not None and rep >= warmup:
+                        times[kind][i].append(took)
+                progress("sweep", i * len(kinds) + k + 1, total)
+        dist.barrier()
+        result = {"rank": rank, "sizes": sizes, "kinds": kinds, "times": times}
+    except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    worker._write_json(os.path.join(spec["run_dir"], f"rank{rank}.json"), result)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as the bench worker: gloo may abort in interpreter teardown
+
+
+# ------------------------------------------------------------------------------- CLI
+def _rate(text: str) -> str:
+    from commsched.bench.netns import parse_rate
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--workers --nodes --bandwidth --intra-bandwidth --network``, as ``commsched bench`` reads them."""
+    parser.add_argument("--workers", type=_positive, default=2, help="data-parallel ranks (default 2)")
+    parser.add_argument("--nodes", type=_positive, default=None,
+                        help="emulated machines; must divide --workers (default: one node per worker)")
+    parser.add_argument("--bandwidth", type=_rate, default="1gbit",
+                        help="rate of every node link, each direction, as tc writes it (1gbit, 500mbit) "
+                             "or 'none' (default 1gbit)")
+    parser.add_argument("--intra-bandwidth", type=_rate, default="none",
+                        help="rate shared by all traffic between workers of one node, or 'none' (default)")
+    parser.add_argument("--network", choices=("netns", "loopback"), default="netns",
+                        help="netns: shaped namespaces (needs root; falls back to loopback); loopback: unshaped")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``commsched probe`` flags."""
+    parser.description = ("Measure the emulated cluster `commsched bench` builds for these flags with gloo "
+                          "all-reduce and send/recv sweeps (4 KiB - 64 MiB) and fit alpha (latency) and beta "
+                          "(bandwidth) per link class.")
+    add_cluster_arguments(parser)
+    parser.add_argument("--repeats", type=_positive, default=DEFAULT_REPEATS,
+                        help=f"timed runs per size, after one warm-up (default {DEFAULT_REPEATS})")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the workers are killed")
+    parser.add_argument("--json", required=True, metavar="PATH", help="write the topology here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``commsched probe``: 0 when the topology is written, 1 when measuring failed, 2 on bad flags."""
+    try:
+        topo = probe(args.workers, args.nodes, args.bandwidth, args.intra_bandwidth, network=args.network,
+                     repeats=args.repeats, timeout_s=args.timeout)
+    except ValueError as exc:
+        print(f"commsched probe: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"commsched probe: {exc}", file=sys.stderr)
+        return 1
+    topo.to_json(args.json)
+    print(format_topology(topo))
+    return 0
+
+
+def format_topology(topo: Topology) -> str:
+    """The fitted links against the configured ones, as ``commsched probe`` prints them."""
+    meta = topo.meta
+    rows = [f"{'class':<6} {'alpha us':>9} {'beta MB/s':>10} {'configured MB/s':>16} {'beta/conf':>9} {'rms res':>8}"]
+    for cls in ("intra", "inter"):
+        link, conf = getattr(topo, cls), meta["configured"][cls]
+        fit = meta["fits"].get(f"{cls}_allreduce")
+        res = f"{fit['rms_residual']:.3f}" if isinstance(fit, dict) else "-"
+        note = "" if isinstance(fit, dict) else "  (not measured: configured)"
+        rows.append(f"{cls:<6} {link.alpha_s * 1e6:9.1f} {link.bandwidth / 1e6:10.1f} {conf['bandwidth'] / 1e6:16.1f} "
+                    f"{link.bandwidth / conf['bandwidth']:9.3f} {res:>8}{note}")
+    rows.append(f"{topo.describe()}; {meta['emulation_note']}; probe took {meta['wall_s']:.0f} s")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main())
