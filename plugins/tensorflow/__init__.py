@@ -7,7 +7,7 @@
 * :func:`unroll` runs several steps in one ``tf.function`` so that the next
   forward overlaps the previous step's communication.
 
-Pieces are reduced with TF collective ops (``backend="collective"``, default) or
+Pieces are reduced with TF collective ops (``backend="collective"``, the default outside horovodrun) or
 Horovod (``backend="horovod"``), in an order that :mod:`commsched.replay` fixes in
 the graph, identically on every worker. See ``docs/tensorflow.md``.
 """
