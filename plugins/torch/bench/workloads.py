@@ -21,10 +21,12 @@ workload's parameter bytes and per-layer compute time on this machine.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -231,12 +233,67 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def get_workload(name: str) -> Workload:
-    """The workload called ``name``; ``ValueError`` lists the choices."""
+#: Samples per worker per step for a ``module:function`` workload that names none.
+DEFAULT_BATCH_SIZE = 32
+
+_SPEC_HELP = ("a built-in name ({names}) or module:function, where function() returns (model, make_batch, loss_fn) "
+              "or (model, make_batch, loss_fn, batch_size): an nn.Module, make_batch(batch_size, generator) -> "
+              "(inputs, targets) and loss_fn(outputs, targets) -> scalar")
+
+
+def _user_parts(spec: str, fn: Callable[[], Any]) -> tuple[nn.Module, Callable, Callable, int]:
+    """Call ``fn`` and check what it returned, naming what is wrong."""
+    parts = fn()
+    if not isinstance(parts, tuple) or len(parts) not in (3, 4):
+        raise ValueError(f"--workload {spec}: the function returned {type(parts).__name__}"
+                         f"{f' of {len(parts)} items' if isinstance(parts, tuple) else ''}; it must return "
+                         "(model, make_batch, loss_fn) or (model, make_batch, loss_fn, batch_size)")
+    model, make_batch, loss_fn = parts[:3]
+    batch_size = parts[3] if len(parts) == 4 else DEFAULT_BATCH_SIZE
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--workload {spec}: the first item must be a torch.nn.Module, got {type(model).__name__}")
+    for what, value in (("make_batch", make_batch), ("loss_fn", loss_fn)):
+        if not callable(value):
+            raise ValueError(f"--workload {spec}: {what} must be callable, got {type(value).__name__}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"--workload {spec}: the default batch size must be an int >= 1, got {batch_size!r}")
+    return model, make_batch, loss_fn, batch_size
+
+
+def resolve_workload(spec: str) -> Workload:
+    """The workload ``spec`` names: a key of :data:`WORKLOADS`, or ``module:function``.
+
+    ``function()`` (importable as ``module``, e.g. from the current folder or
+    ``PYTHONPATH``) returns ``(model, make_batch, loss_fn)`` plus optionally a default
+    batch size (else :data:`DEFAULT_BATCH_SIZE`). It is called once here to check its
+    result, and again by ``Workload.build`` in each worker, so every rank builds its
+    own model (commsched broadcasts rank 0's parameters). A bad spec raises
+    ``ValueError`` saying what is wrong and what a spec looks like."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"--workload {spec!r}: expected " + _SPEC_HELP.format(names=", ".join(WORKLOADS)))
+    if spec in WORKLOADS:
+        return WORKLOADS[spec]
+    if ":" not in spec:
+        raise ValueError(f"unknown workload {spec!r}; give " + _SPEC_HELP.format(names=", ".join(WORKLOADS)))
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--workload {spec}: expected module:function, e.g. my_models:resnet_tiny")
     try:
-        return WORKLOADS[name]
-    except KeyError:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}") from None
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--workload {spec}: cannot import {module_name!r} ({exc}); run from the folder that holds "
+                         f"it or add that folder to PYTHONPATH") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--workload {spec}: {module_name} has no function {attr!r}")
+    _, make_batch, loss_fn, batch_size = _user_parts(spec, fn)
+    return Workload(spec, f"{spec} (user workload)", lambda: _user_parts(spec, fn)[0], make_batch, loss_fn,
+                    batch_size=batch_size)
+
+
+def get_workload(name: str) -> Workload:
+    """The workload called ``name`` (see :func:`resolve_workload`); ``ValueError`` lists the choices."""
+    return resolve_workload(name)
 
 
 def param_bytes(model: nn.Module) -> int:
