@@ -12,6 +12,12 @@ Horovod (``backend="horovod"``), in an order that :mod:`commsched.replay` fixes 
 the graph, identically on every worker. See ``docs/tensorflow.md``.
 """
 
+try:
+    import tensorflow  # noqa: F401
+except ImportError as exc:  # the framework is an extra: say which one to install
+    raise ImportError(f"commsched.plugins.tensorflow needs TensorFlow, which did not import ({exc}); "
+                      "install it with: pip install commsched[tensorflow]") from exc
+
 from commsched.plugins.tensorflow.functions import unroll
 from commsched.plugins.tensorflow.optimizer import DistributedOptimizer
 from commsched.plugins.tensorflow.tape import DistributedGradientTape
