@@ -12,9 +12,12 @@ job and sweeps message sizes from 4 KiB to 64 MiB (×4 per step, :data:`SIZES`):
 
 Each point is the median of ``repeats`` runs after one warm-up, every run behind a
 barrier; an all-reduce's time is the slowest member's median, as the bench's ``comm_s``.
-α and β of a class are fitted (:func:`commsched.costmodel.fit.fit_link`) to its
-all-reduce points with the ring coefficients — what the simulator predicts with them;
-the ping-pong fit is kept in ``meta`` beside it. A class this cluster does not have
+α and β of a class come from its all-reduce points with the ring coefficients (what
+the simulator predicts with them): β by weighted least squares
+(:func:`commsched.costmodel.fit.fit_link`) over the sizes of at least 16 ``tbf``
+bursts (a smaller message passes mostly within the burst, at line rate, which would
+bias β up), α as the median time per ring step of the sizes up to 64 KiB (robust to
+other load). The fit over all sizes and the ping-pong fits are kept in ``meta``. A class this cluster does not have
 (one rank per node: no intra pairs) keeps the configured value of
 :meth:`Topology.emulated`, and ``meta`` says so.
 """
@@ -40,6 +43,8 @@ DEFAULT_REPEATS = 3
 #: A point further than this (relative) from the fit is dropped as disturbed by other load, down
 #: to 4 points per fit; meta lists them. On a quiet machine none is.
 MAX_RESIDUAL = 0.25
+#: Messages up to this size measure the latency α (their transfer is µs at line rate).
+LATENCY_MAX_BYTES = 64 * 1024
 
 
 # ------------------------------------------------------------------------- the parent
@@ -122,17 +127,34 @@ def _fit_info(fit: LinkFit, rows: list[dict]) -> dict[str, Any]:
 
 def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: Topology, bandwidth: str | None,
          intra_bandwidth: str | None, cluster: Any, wall_s: float) -> Topology:
+    from commsched.bench.netns import BURST_BYTES, parse_rate
+
     fits: dict[str, Any] = {}
     links: dict[str, Link] = {}
+    rates = {"inter": parse_rate(bandwidth), "intra": parse_rate(intra_bandwidth)}
     if "inter_allreduce" not in points and nodes >= 2 and workers == nodes:
         points = {**points, "inter_allreduce": points["world_allreduce"]}  # one rank per node: the same ring
     for cls in ("intra", "inter"):
+        # tc tbf lets a burst through at line rate: below ~16 bursts a message mostly is one
+        bits = rates[cls]
+        shaped_min = 16 * max(BURST_BYTES, int(bits / 8 / 1000)) if bits else 0
         for kind in (f"{cls}_allreduce", f"{cls}_pingpong"):
-            if kind in points:
-                fits[kind] = _fit_info(fit_link(_samples(points[kind], kind), MAX_RESIDUAL), points[kind])
-        chosen = fits.get(f"{cls}_allreduce")
+            if kind not in points:
+                continue
+            rows = points[kind]
+            fits[kind] = _fit_info(fit_link(_samples(rows, kind), MAX_RESIDUAL), rows)
+            big = [r for r in rows if r["bytes"] >= shaped_min] or rows[-2:]
+            big = big if len(big) >= 2 else rows[-2:]
+            small = [r for r in rows if r["bytes"] <= LATENCY_MAX_BYTES]
+            fits[f"{kind}_shaped"] = _fit_info(fit_link(_samples(big, kind)), big)
+            if small:  # their bytes take µs at line rate: the time is the steps' latency (median: robust to load)
+                per_step = [x.time_s / x.c_alpha for x in _samples(small, kind)]
+                fits[f"{kind}_latency"] = {"alpha_s": _median(per_step), "per_step_s": per_step,
+                                           "bytes": [r["bytes"] for r in small]}
+        chosen = fits.get(f"{cls}_allreduce_shaped")
         if chosen is not None:
-            links[cls] = Link(chosen["alpha_s"], chosen["bandwidth"])
+            latency = fits.get(f"{cls}_allreduce_latency", chosen)
+            links[cls] = Link(latency["alpha_s"], chosen["bandwidth"])
         else:
             links[cls] = getattr(configured, cls)
             fits[cls] = "not measured (this cluster has no such pair): the configured value"
@@ -142,8 +164,11 @@ def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: To
     meta = {
         "workers": workers, "nodes": nodes, "bandwidth": bandwidth, "intra_bandwidth": intra_bandwidth,
         "emulation": cluster.emulation, "emulation_note": cluster.note, "wall_s": wall_s,
-        "how": "alpha, beta of each class: weighted least squares (relative residuals) of its ring all-reduce "
-               "sweep, t = 2(n-1) alpha + 2(n-1)/n S / beta; ping-pong fits (t = 2 alpha + S / beta) beside",
+        "how": "each class from its ring all-reduce sweep, t = 2(n-1) alpha + 2(n-1)/n S / beta, weighted least "
+               "squares (relative residuals): beta from the sizes >= 16 tbf bursts (<kind>_shaped; smaller "
+               "messages pass mostly within the burst, at line rate), alpha from the sizes <= 64 KiB "
+               "(<kind>_latency: the median of t / (2(n-1)), robust to other load); the fit over all sizes "
+               "and the ping-pong fits (t = 2 alpha + S / beta) beside",
         "points": points, "fits": fits,
         "configured": {"intra": configured.intra.to_dict(), "inter": configured.inter.to_dict()},
         "beta_vs_configured": {cls: links[cls].bandwidth / getattr(configured, cls).bandwidth
@@ -313,7 +338,7 @@ def format_topology(topo: Topology) -> str:
     rows = [f"{'class':<6} {'alpha us':>9} {'beta MB/s':>10} {'configured MB/s':>16} {'beta/conf':>9} {'rms res':>8}"]
     for cls in ("intra", "inter"):
         link, conf = getattr(topo, cls), meta["configured"][cls]
-        fit = meta["fits"].get(f"{cls}_allreduce")
+        fit = meta["fits"].get(f"{cls}_allreduce_shaped")
         res = f"{fit['rms_residual']:.3f}" if isinstance(fit, dict) else "-"
         note = "" if isinstance(fit, dict) else "  (not measured: configured)"
         rows.append(f"{cls:<6} {link.alpha_s * 1e6:9.1f} {link.bandwidth / 1e6:10.1f} {conf['bandwidth'] / 1e6:16.1f} "
