@@ -268,8 +268,7 @@ def test_wheel_imports_without_any_framework_and_reports_its_version(wheel_venv,
     assert _expected_version() in _ok(proc)
 
 
-@pytest.mark.parametrize("extra", ["torch", "tensorflow", pytest.param("mxnet", marks=pytest.mark.xfail(
-    strict=True, reason="plugins/mxnet/__init__.py has no import guard yet (its owner adds it; then drop this)"))])
+@pytest.mark.parametrize("extra", ["torch", "tensorflow", "mxnet"])
 def test_wheel_plugin_without_framework_says_which_extra(wheel_venv, tmp_path, extra):
     _, venv = wheel_venv
     proc = _in_venv(venv, f"import commsched.plugins.{extra}", tmp_path)

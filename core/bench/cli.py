@@ -52,8 +52,9 @@ MB = 1 << 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` flags to ``parser``."""
-    parser.add_argument("--workload", choices=WORKLOAD_CHOICES, default="balanced",
-                        help="model to train (default: balanced)")
+    parser.add_argument("--workload", default="balanced",
+                        help=f"model to train: one of {', '.join(WORKLOAD_CHOICES)} (default balanced), or "
+                             "module:function returning (model, make_batch, loss_fn[, batch_size]); see docs/torch.md")
     parser.add_argument("--workers", type=int, default=2, help="data-parallel ranks (default 2)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="emulated machines; workers/nodes share each node's unshaped "

@@ -197,6 +197,8 @@ class Runner:
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            # a --workload module:function is imported by the workers too: from where the user ran bench
+            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p),
         })
         return env
 

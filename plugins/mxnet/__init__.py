@@ -11,7 +11,13 @@ Start a job on one machine with ``commsched launch mxnet --workers 2 --servers 1
 python train.py``. See ``commsched.plugins.mxnet.kvstore`` for the step-by-step flow.
 """
 
-from commsched.plugins.mxnet.kvstore import FIRST_SUB_KEY, Commsched, KVStore, register
+try:
+    import mxnet  # noqa: F401
+except ImportError as exc:  # the framework is an extra: say which one to install
+    raise ImportError(f"commsched.plugins.mxnet needs MXNet, which did not import ({exc}); "
+                      "install it with: pip install commsched[mxnet]") from exc
+
+from commsched.plugins.mxnet.kvstore import FIRST_SUB_KEY, Commsched, KVStore, register  # noqa: E402
 
 register()
 

@@ -447,7 +447,7 @@ def _build(names: list[str], tensors: list[tuple[TensorSpec, ...]], unscaled: di
     }
     info.update(meta or {})
     return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=contention,
-                   step_overhead_s=overhead, meta=info)
+                   step_overhead_s=overhead, optimizer_step_s=optimizer_s, meta=info)
 
 
 # ------------------------------------------------------------- DistributedOptimizer's
@@ -495,7 +495,7 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
         "note": "times measured during training, under its communication: contention is included in them",
     }
     return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=1.0,
-                   step_overhead_s=max(0.0, rest), meta=meta)
+                   step_overhead_s=max(0.0, rest), optimizer_step_s=whole, meta=meta)
 
 
 # ------------------------------------------------------------------------- workloads
@@ -543,11 +543,11 @@ def load_or_profile(workload: str, *, batch_size: int | None = None, workers: in
     start-up) and stored. Raises ``ValueError`` on bad flags before anything runs,
     ``RuntimeError`` when the measurement failed (its logs are named).
     """
-    from commsched.plugins.torch.bench.workloads import get_workload
+    from commsched.plugins.torch.bench.workloads import resolve_workload
     nodes = workers if nodes is None else nodes
     _check_cluster(workers, nodes)
     bandwidth, intra_bandwidth = _norm_rate(bandwidth), _norm_rate(intra_bandwidth)
-    batch = batch_size or get_workload(workload).batch_size
+    batch = batch_size or resolve_workload(workload).batch_size
     key = _cache_key(workload, batch, workers, nodes, bandwidth, intra_bandwidth, network, seed)
     path = cache_path(key, cache_dir)
     if cache and path.exists():
@@ -697,11 +697,13 @@ def _worker_main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``commsched profile`` flags."""
-    from commsched.bench.cli import WORKLOAD_CHOICES
+    from commsched.bench.cli import WORKLOAD_CHOICES  # noqa: F401 - named in the help
     from commsched.plugins.torch.probe import _positive, add_cluster_arguments
     parser.description = ("Profile a benchmark workload as `commsched bench` runs it with the same flags: "
                           "per-layer forward/backward/ready/apply times, gradient tensors, contention.")
-    parser.add_argument("--workload", choices=WORKLOAD_CHOICES, required=True, help="model to profile")
+    parser.add_argument("--workload", required=True,
+                        help=f"model to profile: one of {', '.join(WORKLOAD_CHOICES)}, or module:function "
+                             "(see docs/torch.md)")
     parser.add_argument("--batch-size", type=_positive, default=None,
                         help="samples per worker per step (default: the workload's)")
     parser.add_argument("--steps", type=_positive, default=10,

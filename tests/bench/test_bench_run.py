@@ -93,7 +93,30 @@ def test_loopback_run_writes_report_table_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_users_module_function_workload_runs_in_the_workers(tmp_path):
+    # The workers import the user's module from the directory bench was started in.
+    (tmp_path / "my_model.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    def batch(n, gen):\n"
+        "        return torch.randn(n, 8, generator=gen), torch.randint(0, 3, (n,), generator=gen)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)), batch, "
+        "torch.nn.functional.cross_entropy, 4\n")
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "commsched.plugins.torch.bench", "--workload", "my_model:build", "--workers", "2",
+         "--steps", "2", "--warmup", "1", "--network", "loopback", "--strategies", "ddp,dynamic", "--json", str(out)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["workload"] == "my_model:build" and report["config"]["batch_size"] == 4
+    assert [r["status"] for r in report["results"]] == ["ok", "ok"]
+    assert report["workload"]["num_params"] == 8 * 16 + 16 + 16 * 3 + 3
+
+
 @pytest.mark.parametrize(("argv", "fix"), [
+    (["--workload", "no_such_module_xyz:f"], "no_such_module_xyz"),
+    (["--workload", "nope"], "balanced"),
     (["--strategies", "ddp:-1"], "ddp:4"),
     (["--strategies", "ddp,nccl"], "dynamic"),
     (["--workers", "4", "--nodes", "3"], "divide"),
