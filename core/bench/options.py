@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-__all__ = ["CLASSES", "INPUTS", "add_mlp_bench_arguments", "mebibytes", "mlp_param_count", "mlp_workload", "parse_strategy_list"]
+__all__ = ["CLASSES", "INPUTS", "add_mlp_bench_arguments", "mebibytes", "mlp_param_count", "mlp_workload",
+           "parse_strategy_list"]
 
 
 def mebibytes(text: str) -> float:
