@@ -27,7 +27,8 @@ import tensorflow as tf
 from commsched.errors import HorovodUnavailable
 from commsched.plugins.tensorflow import keys
 
-__all__ = ["BACKENDS", "CollectiveBackend", "HorovodBackend", "ReplicaGroup", "make_backend", "replica_group"]
+__all__ = ["ABORT_STAGGER_S", "BACKENDS", "CollectiveBackend", "HorovodBackend", "ReplicaGroup", "make_backend",
+           "replica_group"]
 
 BACKENDS = ("collective", "horovod")
 
@@ -74,6 +75,10 @@ def replica_group() -> ReplicaGroup | None:
     return ReplicaGroup(size, rank, devices[0])
 
 
+#: Seconds between the timeouts of successive ordering chains (see :class:`CollectiveBackend`).
+ABORT_STAGGER_S = 2.0
+
+
 class CollectiveBackend:
     """TF collective ops (``CollectiveReduceV2``) ordered by one token per slot.
 
@@ -81,6 +86,13 @@ class CollectiveBackend:
     call, identical on every worker); ``timeout_s`` bounds every collective, so a
     dead peer surfaces as ``tf.errors.DeadlineExceededError`` (or the strategy's
     own ``UnavailableError``) instead of a hang.
+
+    The timeout of the collectives on ordering chain ``slot`` is ``timeout_s +
+    slot * ABORT_STAGGER_S``. When a peer goes silent, one collective per chain is
+    stuck; each one's expiry calls TensorFlow's ``StartAbort`` unless its op is done
+    already, and two aborts at once can crash TensorFlow's abort path (SIGSEGV, about
+    one run in five here). Staggered, the first expiry aborts every pending
+    collective, so the others complete (aborted) before their own timers fire.
     """
 
     name = "collective"
@@ -104,7 +116,8 @@ class CollectiveBackend:
             return tf.raw_ops.CollectiveReduceV2(
                 input=piece, group_size=group.size, group_key=keys.GROUP_KEY, instance_key=instance_key,
                 ordering_token=[token], merge_op="Add", final_op=_FINAL_OP[op],
-                communication_hint=self.communication_hint, timeout_seconds=self.timeout_s,
+                communication_hint=self.communication_hint,
+                timeout_seconds=self.timeout_s + slot * ABORT_STAGGER_S,
                 name="commsched_" + _op_name(name))
 
 
