@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import commsched
+from commsched.partition import piece_bounds
 from commsched.plugins.torch import DistributedOptimizer
 
 OPTIMIZERS = {
@@ -92,6 +93,8 @@ def loss_of(kind, out, y):
     return ((out.float() - y.float()) ** 2).mean()
 
 
+TIMEOUT_S = 20  # the scheduler's timeout_s; tests bound failure times by it
+
 SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynamic", partition=256, credit=1024,
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
@@ -111,7 +114,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         model.use_unused = ref.use_unused = True
     config = commsched.SchedulerConfig(partition_bytes=sc["partition"], credit_bytes=sc["credit"],
                                        ordering=sc["ordering"], cross_iteration=bool(sc["cross"]),
-                                       timeout_s=20, timeline=sc["timeline"])
+                                       timeout_s=TIMEOUT_S, timeline=sc["timeline"])
     opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
                                config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"])
     try:
@@ -127,6 +130,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: time.sleep(rng.random() * sc["delay"]))
         for step in range(sc["steps"]):
+            if step == sc["die_step"]:
+                result["die_step_started"] = time.monotonic()
             opt.zero_grad()
             ref_opt.zero_grad()
             for micro in range(sc["accum"]):
@@ -162,15 +167,24 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             diffs[name] = float((p.detach().double() - q.detach().double()).abs().max())
             bitwise &= bool(torch.equal(p, q))
         stats = opt.stats()
+        # what partitioning must give: piece_bounds' count for every tensor that has a gradient (the
+        # reference's grads stay; commsched's may be None here, taken over by cross-iteration)
+        expected_pieces = {name: len(piece_bounds(q.numel(), q.element_size(), sc["partition"]))
+                           for name, q in ref.named_parameters() if q.grad is not None}
         digest = hashlib.sha256()
         for p in model.parameters():
-            digest.update(p.detach().contiguous().numpy().tobytes())
+            digest.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # raw bytes: bfloat16 too
         result.update(bitwise=bitwise, param_sha256=digest.hexdigest(), max_diff=max(diffs.values()), diffs=diffs,
                       stats={k: v for k, v in stats.items() if k != "scheduler"},
-                      order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"])
+                      order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"],
+                      expected_pieces=expected_pieces,
+                      max_in_flight_bytes=stats["scheduler"]["max_in_flight_bytes"])
     except Exception as exc:  # reported to the test, which asserts on it
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["error_is_commsched"] = isinstance(exc, commsched.CommschedError)
+        if "die_step_started" in result:  # from the step in which the other rank died
+            result["error_after_s"] = time.monotonic() - result["die_step_started"]
+            result["timeout_s"] = TIMEOUT_S
     finally:
         try:
             opt.close()
