@@ -24,8 +24,8 @@ import pytest
 
 from commsched.bench.procs import free_ports
 
-__all__ = ["TESTS", "REPO", "Finished", "assert_clean_exit", "commsched_threads", "free_port", "free_ports",
-           "horovod_or_skip", "horovodrun", "run_workers", "worker_env"]
+__all__ = ["TESTS", "REPO", "Finished", "assert_clean_exit", "assert_partitioned_within_credit", "commsched_threads",
+           "free_port", "free_ports", "horovod_or_skip", "horovodrun", "run_workers", "worker_env"]
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -117,6 +117,25 @@ def assert_clean_exit(finished: Sequence[Finished], bound_s: float) -> None:
     for rank, proc in enumerate(finished):
         assert proc.returncode == 0, f"worker {rank} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
         assert proc.exit_s is not None and proc.exit_s <= bound_s, proc.exit_s
+
+
+def assert_partitioned_within_credit(per_step: Mapping[Any, Mapping[str, Any]], expected: Mapping[str, int],
+                                     max_in_flight_bytes: int, credit_bytes: int | None, what: str) -> None:
+    """Every recorded step (``Scheduler.stats()["per_step"]``) started each piece ``name#i`` of
+    ``expected`` (tensor name -> piece_bounds' count) exactly once and nothing else, so every
+    tensor above the piece size was split; and, unless ``credit_bytes`` is None (a rank that
+    does not pace), the bytes in flight never exceeded the credit."""
+    assert any(n > 1 for n in expected.values()), f"{what}: no tensor to split in {expected}"
+    assert per_step, f"{what}: no step recorded"
+    from collections import Counter
+
+    want = Counter(f"{name}#{i}" for name, n in expected.items() for i in range(n))
+    for step, seen in per_step.items():
+        started = Counter(seen["order"])
+        assert started == want, f"{what} step {step}: started {dict(started)}, want {dict(expected)} pieces"
+    if credit_bytes is not None:
+        assert 0 < max_in_flight_bytes <= credit_bytes, (
+            f"{what}: {max_in_flight_bytes} bytes in flight, credit {credit_bytes}")
 
 
 def _marked(paths: Sequence[Path]) -> float | None:

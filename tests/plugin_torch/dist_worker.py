@@ -173,7 +173,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                            for name, q in ref.named_parameters() if q.grad is not None}
         digest = hashlib.sha256()
         for p in model.parameters():
-            digest.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # raw bytes: bfloat16 too
+            digest.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # bfloat16 too
         result.update(bitwise=bitwise, param_sha256=digest.hexdigest(), max_diff=max(diffs.values()), diffs=diffs,
                       stats={k: v for k, v in stats.items() if k != "scheduler"},
                       order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"],

@@ -13,12 +13,16 @@ import torch
 import torch.nn as nn
 
 import commsched
+from commsched.partition import piece_bounds
 from commsched.plugins.torch import DistributedOptimizer
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
 }
+
+
+PARTITION, CREDIT = 256, 512  # every weight is split; rank 0 queues pieces behind the credit
 
 
 def build():
@@ -30,7 +34,8 @@ def run(name: str, steps: int, die_step: int, delay: float) -> dict:
     rank = hvd.rank()
     model, ref = build(), build()
     opt = DistributedOptimizer(OPTIMIZERS[name](model.parameters()), model, backend="horovod",
-                               config=commsched.SchedulerConfig(partition_bytes=256, credit_bytes=512, timeout_s=20))
+                               config=commsched.SchedulerConfig(partition_bytes=PARTITION, credit_bytes=CREDIT,
+                                                                timeout_s=20))
     ref_opt = hvd.DistributedOptimizer(OPTIMIZERS[name](ref.parameters()), named_parameters=ref.named_parameters())
     hvd.broadcast_parameters(ref.state_dict(), root_rank=0)
     result: dict = {"rank": rank, "optimizer": name}
@@ -60,7 +65,13 @@ def run(name: str, steps: int, die_step: int, delay: float) -> dict:
         result["max_diff"] = max(float((p - q).abs().max()) for p, q in pairs)
         result["allclose"] = all(torch.allclose(p, q, rtol=1e-6, atol=1e-7)
                                  for p, q in zip(model.parameters(), ref.parameters(), strict=True))
-        result["pieces"] = opt.stats()["pieces"]
+        sched = opt.stats()["scheduler"]
+        result["pieces"] = sched["pieces"]
+        result["order"] = sched["per_step"]
+        result["max_in_flight_bytes"] = sched["max_in_flight_bytes"]
+        result["expected_pieces"] = {name: len(piece_bounds(q.numel(), q.element_size(), PARTITION))
+                                     for name, q in ref.named_parameters()}
+        result["credit"] = CREDIT
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["error_is_commsched"] = isinstance(exc, commsched.CommschedError)

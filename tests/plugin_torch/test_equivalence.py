@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 
 import pytest
+
+from helpers import assert_partitioned_within_credit
 
 OPTIMIZERS = ["sgd_momentum", "adam", "adamw", "rmsprop", "adagrad", "sgd"]
 
@@ -33,21 +34,9 @@ def check_all(results: list[list[dict]], exact: bool) -> None:
             else:
                 assert r["max_diff"] <= 1e-5, f"rank {r['rank']} {r['scenario']}: {r['diffs']}"
             assert r["threads_after_close"] == [], r["threads_after_close"]
-            check_partitioned_within_credit(r)
-
-
-def check_partitioned_within_credit(r: dict) -> None:
-    """Every step started exactly piece_bounds' pieces of each tensor (so each tensor above
-    the piece size was split), and the bytes in flight never exceeded the credit."""
-    sc, expected = r["scenario"], r["expected_pieces"]
-    assert any(n > 1 for n in expected.values()), expected  # the scenario has tensors to split
-    assert r["order"], "no step recorded"
-    want = Counter(f"{name}#{i}" for name, n in expected.items() for i in range(n))  # each piece once
-    for step, seen in r["order"].items():
-        counts = Counter(seen["order"])
-        assert counts == want, f"rank {r['rank']} step {step} {sc}: started {dict(counts)}, want {expected} pieces"
-    assert 0 < r["max_in_flight_bytes"] <= sc["credit"], (
-        f"rank {r['rank']} {sc}: {r['max_in_flight_bytes']} bytes in flight, credit {sc['credit']}")
+            # partition 256 B: every tensor above it was split; pieces queued behind the 1 KiB credit
+            assert_partitioned_within_credit(r["order"], r["expected_pieces"], r["max_in_flight_bytes"],
+                                             r["scenario"]["credit"], f"rank {r['rank']} {r['scenario']}")
 
 
 @pytest.mark.timeout(240)
