@@ -22,12 +22,14 @@ import collections
 import datetime
 import sys
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from commsched.errors import CommschedError, HorovodUnavailable
+from commsched.plugins.torch.cuda import CudaTask, DeviceStreams
 
 __all__ = ["BACKENDS", "C10dStore", "HorovodBackend", "TorchBackend", "default_store", "make_backend",
            "resolve_backend"]
@@ -35,6 +37,10 @@ __all__ = ["BACKENDS", "C10dStore", "HorovodBackend", "TorchBackend", "default_s
 BACKENDS = ("torch", "horovod")
 #: What ``backend=`` accepts: a name of :data:`BACKENDS`, or ``"auto"``.
 CHOICES = ("auto",) + BACKENDS
+# How often the CUDA completion thread looks at the oldest piece's event: from _POLL_MIN_S,
+# doubling while it is not done, up to _POLL_MAX_S (the most a completion is noticed late).
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 1e-3
 
 
 class C10dStore:
@@ -97,15 +103,25 @@ def default_store() -> C10dStore:
 class TorchBackend:
     """Pieces as asynchronous sum all-reduces on a torch.distributed process group.
 
-    On CUDA tensors the all-reduce is issued on a dedicated stream that first waits
-    for the event recorded when the gradient was ready (``piece.task.ready``), so
-    communication never waits for unrelated compute; the work handle goes to
-    ``piece.task.handles`` so the plugin can order its own stream after it.
+    A task whose ``ready`` is a :class:`commsched.plugins.torch.cuda.CudaTask` (CUDA tensors)
+    takes the stream/event path (see ``cuda.py``): the all-reduce is issued on a
+    communication stream after the task's ready event, and ``done`` is called only when the
+    piece's completion event has completed on the GPU, so credit is held for as long as the
+    collective really runs (NCCL's future completes when the all-reduce is merely queued).
+    Completions are watched by one named thread (``commsched-cuda-r<rank>``, started with the
+    first such piece) that polls the oldest piece's event with ``event.query()``: pieces on one
+    stream finish in issue order, so only the head is polled, with a back-off from 50 us to
+    1 ms. Why a poll and not ``event.synchronize()``: a blocking ``cudaEventSynchronize`` cannot
+    be interrupted when a peer dies mid-collective (the kernel never ends), so ``close()``
+    could not stop the thread; a poll stops within a millisecond and bounds close by
+    ``timeout_s``. The thread never calls NCCL: only the dispatch thread drives the group.
+    Tensors on the CPU (gloo) take the plain path: ``done`` from the work's future.
     """
 
     negotiates_order = False
 
-    def __init__(self, group: Optional["dist.ProcessGroup"] = None) -> None:
+    def __init__(self, group: Optional["dist.ProcessGroup"] = None, *, timeout_s: float = 30.0,
+                 device_streams: Optional[DeviceStreams] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "backend='torch' needs an initialized default process group: call "
@@ -120,15 +136,25 @@ class TorchBackend:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()
+        self.timeout_s = float(timeout_s)
+        #: the stream/event operations (a :class:`FakeCuda` one in tests); real ones are made lazily
+        self.device_streams = device_streams
+        self._inflight: collections.deque = collections.deque()  # (completion event, done, error box)
+        self._cv = threading.Condition()
+        self._closing = False
+        self._watcher: Optional[threading.Thread] = None
 
-    def _stream(self, device: torch.device) -> "torch.cuda.Stream":
-        with self._lock:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device=device)
-            return stream
+    def streams_for(self, tensor: torch.Tensor) -> Optional[DeviceStreams]:
+        """The :class:`DeviceStreams` for ``tensor`` if it takes the stream/event path (CUDA, or
+        any tensor under a fake), else None."""
+        if self.device_streams is not None and (tensor.is_cuda or self.device_streams.fake):
+            return self.device_streams
+        if tensor.is_cuda:
+            with self._cv:
+                if self.device_streams is None:
+                    self.device_streams = DeviceStreams()
+            return self.device_streams
+        return None
 
     def start(self, piece, done: Callable[[Optional[BaseException]], None]) -> None:
         if not dist.is_initialized():
@@ -137,15 +163,11 @@ class TorchBackend:
                 "reduce; call opt.synchronize() and opt.close() before destroy_process_group()"
             )
         view = piece.view
-        if view.is_cuda:
-            stream = self._stream(view.device)
-            if piece.task.ready is not None:
-                stream.wait_event(piece.task.ready)
-            with torch.cuda.stream(stream):
-                work = dist.all_reduce(view, group=self.group, async_op=True)
-            piece.task.handles.append(work)  # waited on before the update
-        else:
-            work = dist.all_reduce(view, group=self.group, async_op=True)
+        record = piece.task.ready
+        if isinstance(record, CudaTask):
+            self._start_on_stream(piece, record, done)
+            return
+        work = dist.all_reduce(view, group=self.group, async_op=True)
 
         def finished(fut: "torch.futures.Future") -> None:
             try:
@@ -156,6 +178,72 @@ class TorchBackend:
             done(None)
 
         work.get_future().add_done_callback(finished)
+
+    def _start_on_stream(self, piece: Any, record: CudaTask,
+                         done: Callable[[Optional[BaseException]], None]) -> None:
+        """Dispatch thread: issue ``piece`` on the communication stream; the watcher calls ``done``."""
+        streams = record.streams
+        group = self.group
+        work, completion = streams.start_on_comm_stream(
+            piece.view, record.ready_event, lambda: dist.all_reduce(piece.view, group=group, async_op=True))
+        errors: list[BaseException] = []
+
+        def failed(fut: "torch.futures.Future") -> None:  # NCCL reports errors (not completion) here
+            try:
+                fut.value()
+            except BaseException as exc:
+                errors.append(exc)
+                with self._cv:
+                    self._cv.notify()
+
+        work.get_future().add_done_callback(failed)
+        piece.task.handles.append(completion)
+        record.issued(piece.task.tensor, len(piece.task.pieces))
+        with self._cv:
+            if self._closing:
+                raise CommschedError("this torch backend is closed; create a new DistributedOptimizer")
+            self._inflight.append((completion, done, errors))
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name=f"commsched-cuda-r{self.rank}",
+                                                 daemon=False)
+                self._watcher.start()
+            self._cv.notify()
+
+    def _watch(self) -> None:
+        """Completion thread of the stream/event path: ``done`` once the oldest piece's event completed."""
+        delay = _POLL_MIN_S
+        while True:
+            with self._cv:
+                while not self._inflight and not self._closing:
+                    self._cv.wait()
+                if not self._inflight:
+                    return
+                completion, done, errors = self._inflight[0]
+                streams = self.device_streams
+            try:
+                finished = bool(errors) or streams.is_done(completion)
+            except BaseException as exc:  # a CUDA error (illegal access, aborted communicator)
+                errors.append(exc)
+                finished = True
+            if finished:
+                with self._cv:
+                    self._inflight.popleft()
+                done(errors[0] if errors else None)
+                delay = _POLL_MIN_S
+                continue
+            with self._cv:
+                if self._closing and time.monotonic() >= self._close_deadline:
+                    left, self._inflight = list(self._inflight), collections.deque()
+                else:
+                    left = None
+                    self._cv.wait(delay)
+            if left is not None:
+                error = CommschedError(f"{len(left)} piece(s) did not finish on the GPU within {self.timeout_s:.0f} "
+                                       "s of close(); a peer may have died mid-collective")
+                for _, each_done, _ in left:
+                    each_done(error)
+                return
+            delay = min(delay * 2, _POLL_MAX_S)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Overwrite ``tensor`` with rank ``root``'s, in place, on our group."""
@@ -176,8 +264,14 @@ class TorchBackend:
         """Destroy the group we created (a group the user passed stays theirs), now
         rather than during interpreter teardown, where gloo's threads can abort the
         process ("terminate called without an active exception"). Idempotent."""
+        with self._cv:
+            self._closing = True
+            self._close_deadline = time.monotonic() + self.timeout_s
+            self._cv.notify()
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(self.timeout_s + 1.0)
         group, self.group = self.group, None
-        self._streams.clear()
         if group is not None and self._owns_group and dist.is_initialized():
             dist.destroy_process_group(group)
 
@@ -297,10 +391,10 @@ def resolve_backend(name: str) -> str:
 def make_backend(name: str, group: Optional["dist.ProcessGroup"] = None,
                  timeout_s: float = 30.0) -> "TorchBackend | HorovodBackend":
     """The backend called ``name`` (one of :data:`CHOICES`, see :func:`resolve_backend`);
-    ``timeout_s`` bounds Horovod's close."""
+    ``timeout_s`` bounds the backend's close (Horovod's waiter, the CUDA completion thread)."""
     name = resolve_backend(name)
     if name == "torch":
-        return TorchBackend(group)
+        return TorchBackend(group, timeout_s=timeout_s)
     if name == "horovod":
         if group is not None:
             raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "

@@ -40,12 +40,13 @@ import torch
 import torch.distributed as dist
 
 from commsched.config import SchedulerConfig, read_environment
-from commsched.errors import CommschedError, SchedulerClosed
+from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
 from commsched.plugins.torch.backends import default_store, make_backend, resolve_backend
+from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
 from commsched.costmodel.profile import Profile
 from commsched.plugins.torch.profiler import StepRecorder, profile_recorded
@@ -57,6 +58,14 @@ log = logging.getLogger(__name__)
 _instances = itertools.count()
 _NEEDS_ALL_GRADIENTS = (torch.optim.LBFGS,)
 _BUBBLE_HISTORY = 1000
+_ISSUE_POLL_S = 0.25  # how often a forward waiting for its pieces to be queued checks for failures
+
+_AMP_CROSS_ITERATION = (
+    "GradScaler (AMP) needs the averaged gradients in p.grad before the update, but with cross_iteration=True "
+    "the scheduler owns them (p.grad is None) and applies each layer in the next forward. Create the optimizer "
+    "with config=commsched.SchedulerConfig(cross_iteration=False) and call scaler.scale(loss).backward(); "
+    "scaler.step(opt); scaler.update() (call opt.synchronize() before scaler.unscale_(opt) if you clip), or use "
+    "bfloat16 autocast, which needs no GradScaler")
 
 
 # Horovod fuses pieces that are ready in the same cycle; measured on 2 ranks
@@ -77,6 +86,12 @@ _NO_MODEL_WARNING = (
     "within the credit, but step() waits for all of them (no cross-iteration overlap). Pass "
     "model=your_module, e.g. DistributedOptimizer(opt, named_parameters=model.named_parameters(), model=model), "
     "to let the next forward start layer by layer while communication finishes.")
+
+
+def _scaler_stage(scaler: Any, optimizer: Any) -> str:
+    """The name of ``scaler``'s stage for ``optimizer`` (``READY``, ``UNSCALED``, ``STEPPED``): the
+    state GradScaler lets an optimizer with ``_step_supports_amp_scaling`` query."""
+    return scaler._per_optimizer_states[id(optimizer)]["stage"].name
 
 
 def _horovod_torch() -> Any:
@@ -142,7 +157,8 @@ def _is_named_parameters(value: Any) -> bool:
 class _ParamState:
     """Bookkeeping for one parameter."""
 
-    __slots__ = ("name", "param", "group", "priority", "sub", "future", "grad", "copy_back", "passes", "hyper")
+    __slots__ = ("name", "param", "group", "priority", "sub", "future", "grad", "copy_back", "passes", "hyper",
+                 "cuda")
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: dict, priority: int) -> None:
         self.name = name
@@ -155,6 +171,7 @@ class _ParamState:
         self.copy_back: Optional[torch.Tensor] = None
         self.passes = 0
         self.hyper: Optional[dict] = None  # the group's hyperparameters when step() ended this gradient's step
+        self.cuda: Optional[CudaTask] = None  # the stream/event record of the gradient in flight (CUDA)
 
 
 class DistributedOptimizer(torch.optim.Optimizer, Closeable):
@@ -295,6 +312,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._bubbles: list[float] = []
         self._closed = False
         self._orphans: list[_ParamState] = []
+        # CUDA: (step, streams, event where the compute stream needed a gradient, its done event)
+        self._gpu_waits: list[tuple] = []
 
         # From here on threads and groups exist: any failure closes what was made.
         self._backend = make_backend(backend, process_group, self.config.timeout_s)
@@ -423,19 +442,28 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         state.copy_back = grad if buffer is not grad else None
         state.grad = buffer
         ready = None
-        if buffer.is_cuda:  # readiness: the engine's stream waits for this point of the compute stream
-            ready = torch.cuda.Event()
-            ready.record()
+        streams_for = getattr(self._backend, "streams_for", None)  # torch.distributed: CUDA streams and events
+        streams = streams_for(buffer) if streams_for is not None else None
+        if streams is not None:
+            # Readiness: the communication stream waits for this point of the compute stream;
+            # the division runs on the communication stream after the last piece (cuda.py).
+            ready = state.cuda = CudaTask(streams, streams.record_ready(buffer),
+                                          self._divisor() if self._op == "average" else None)
         state.future = self._scheduler.submit(state.name, buffer, state.priority, on_done=self._after_reduce,
                                               ready=ready)
 
+    def _divisor(self) -> float:
+        """What the sum is divided by for an average (Horovod's predivide already took ``f``)."""
+        return self.world_size / self._predivide if self._predivide != 1.0 else float(self.world_size)
+
     def _after_reduce(self, task: Task) -> None:
         # Completion thread: average. The tensor is owned by us (cross-iteration) or
-        # not read by the user before synchronize() (synchronous path).
-        for work in task.handles:  # CUDA: order this stream after the engine's
-            work.wait()
+        # not read by the user before synchronize() (synchronous path). On the CUDA
+        # stream/event path the division is on the communication stream already.
+        if isinstance(task.ready, CudaTask):
+            return
         if self._op == "average":
-            task.tensor.div_(self.world_size / self._predivide if self._predivide != 1.0 else self.world_size)
+            task.tensor.div_(self._divisor())
 
     def _make_pre_hook(self, states: list[_ParamState]) -> Callable:
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
@@ -460,13 +488,59 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         started = time.perf_counter()
         t0 = now_us()
         for s in pending:
-            self._scheduler.wait(s.future)
+            if s.cuda is not None:
+                self._wait_queued(s)  # CUDA: the CPU waits only until the pieces are on the stream
+            else:
+                self._scheduler.wait(s.future)
         waited = time.perf_counter() - started
         self._bubble += waited
         if waited > 0 and self.timeline.enabled:
             self.timeline.span("WAIT", f"{where}: {pending[0].name}", t0, now_us())
         for s in pending:
+            if s.cuda is not None:
+                self._wait_on_gpu(s)
             self._finish(s)
+
+    def _wait_queued(self, state: _ParamState) -> None:
+        """Block until every piece of ``state``'s gradient and its division are queued on the
+        communication stream (credit may hold some back), at most ``timeout_s``; raises the
+        scheduler's error if the reduction failed."""
+        limit = self.config.timeout_s
+        deadline = time.monotonic() + limit
+        while not state.cuda.wait_issued(min(_ISSUE_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if state.future.done():  # failed (raises here), or a zero-size tensor with no piece to queue
+                self._scheduler.wait(state.future)
+                return
+            self._scheduler.check()
+            if time.monotonic() >= deadline:
+                raise CommschedTimeout(f"queueing the reduction of {state.name!r}", limit, self._scheduler.pending())
+
+    def _wait_on_gpu(self, state: _ParamState) -> None:
+        """Order the compute stream after ``state``'s reduced gradient (no CPU block), and keep a
+        timing event at this point so the GPU's stall counts in the bubble."""
+        record, state.cuda = state.cuda, None
+        if record.done_event is None:  # nothing was reduced (a zero-size tensor)
+            return
+        streams = record.streams
+        stream = streams.current_stream(state.param.device)
+        needed = streams.mark(stream)
+        streams.wait_event(stream, record.done_event)
+        self._gpu_waits.append((self._steps, streams, needed, record.done_event))
+
+    def _account_gpu_waits(self, block: bool) -> None:
+        """Add the GPU stalls (timing events) of ended steps to their ``bubble_s``; without ``block``
+        only those whose events completed already (never a CPU wait in the training loop)."""
+        keep = []
+        for step, streams, needed, done in self._gpu_waits:
+            if step >= self._steps or (not block and not (streams.is_done(needed) and streams.is_done(done))):
+                keep.append((step, streams, needed, done))
+                continue
+            needed.synchronize()
+            done.synchronize()
+            index = len(self._bubbles) - (self._steps - step)
+            if index >= 0:
+                self._bubbles[index] += streams.elapsed_s(needed, done)
+        self._gpu_waits = keep
 
     def _finish(self, state: _ParamState) -> None:
         state.future = None
@@ -499,11 +573,23 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self.timeline.span("UPDATE", state.name, t0, now_us())
 
     # -------------------------------------------------------------- user API
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    #: ``GradScaler.step(opt)`` calls ``opt.step(grad_scaler=scaler)`` instead of unscaling ``p.grad``
+    #: itself, which would read gradients still being reduced (or None, cross-iteration).
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Optional[Callable[[], float]] = None,
+             grad_scaler: Optional["torch.amp.GradScaler"] = None) -> Optional[float]:
         """End the step. Cross-iteration: returns at once (updates happen in the next
         forward or in :meth:`synchronize`). Synchronous: waits for the reductions and
-        runs the wrapped optimizer's ``step(closure)``."""
+        runs the wrapped optimizer's ``step(closure)``.
+
+        ``grad_scaler`` is passed by ``scaler.step(opt)`` (AMP): on the synchronous path the
+        averaged gradients are unscaled and checked for inf/NaN (``scaler.unscale_``) and the
+        update is skipped if any is found, as ``scaler.step`` does; cross-iteration refuses it
+        (``ValueError`` naming the alternative)."""
         self._check_open()
+        if grad_scaler is not None and self._cross:
+            raise ValueError(_AMP_CROSS_ITERATION)
         if self._cross and closure is not None:
             raise ValueError("step(closure) needs all gradients at once; create the DistributedOptimizer with "
                              "SchedulerConfig(cross_iteration=False) to use a closure")
@@ -519,8 +605,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._finish_recording()
         self._scheduler.mark_step()
         if not self._cross:
+            if grad_scaler is not None and _scaler_stage(grad_scaler, self) == "UNSCALED" and \
+                    any(s.future is not None for s in self._params):
+                raise CommschedError("scaler.unscale_(opt) ran while the gradients were still being reduced (it "
+                                     "read unreduced p.grad); call opt.synchronize() before scaler.unscale_(opt)")
             self._ready(self._params, "step")  # waits (counted as bubble) and lands averaged grads in p.grad
-            loss = self.optimizer.step(closure)
+            loss = self.optimizer.step(closure) if grad_scaler is None else self._scaled_update(grad_scaler)
         else:
             snapshots = {id(g): {k: v for k, v in g.items() if k != "params"} for g in self.param_groups}
             for s in self._params:
@@ -531,7 +621,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if len(self._bubbles) > _BUBBLE_HISTORY:
             del self._bubbles[: len(self._bubbles) - _BUBBLE_HISTORY]
         self._bubble = 0.0
+        if self._gpu_waits:
+            self._account_gpu_waits(block=False)
         return loss
+
+    def _scaled_update(self, scaler: "torch.amp.GradScaler") -> Optional[float]:
+        """``scaler.step`` on the averaged gradients: unscale and check them (unless the user's
+        ``scaler.unscale_(opt)`` did), then the wrapped optimizer's step unless one was inf/NaN."""
+        if _scaler_stage(scaler, self) != "UNSCALED":
+            scaler.unscale_(self)  # our param_groups are the wrapped optimizer's: p.grad holds the average
+        found = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
+        if sum(float(v.item()) for v in found.values()):
+            return None
+        return self.optimizer.step()
 
     def _finish_recording(self) -> None:
         self._recording = False
@@ -592,6 +694,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         """Per-step bubble time (seconds the forward or ``step()`` blocked on communication,
         most recent steps last), totals, and the scheduler's counters (pieces, bytes, order)."""
         sched = self._scheduler.stats()
+        if self._gpu_waits:
+            self._account_gpu_waits(block=True)
         return {
             "steps": self._steps,
             "bubble_s": list(self._bubbles),
