@@ -82,9 +82,21 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
 
     def __init__(self, kvstore: str | mx.kv.KVStore = "dist_sync", config: SchedulerConfig | None = None, *,
                  update_on_kvstore: bool = False, gate: str = "auto") -> None:
-        self.config = config if config is not None else SchedulerConfig()
-        if gate not in _GATE_MODES:
+        # every argument is checked before a ps-lite store, a TCP store or a thread exists
+        if config is not None and not isinstance(config, SchedulerConfig):
+            hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
+                "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
+            raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; "
+                            f"use config={hint}")
+        if not isinstance(kvstore, (str, mx.kv.KVStore)):
+            raise TypeError(f"kvstore must be a KVStore type name such as 'dist_sync' or an mx.kv.KVStore, "
+                            f"got {type(kvstore).__name__}")
+        if not isinstance(update_on_kvstore, bool):
+            raise TypeError(f"update_on_kvstore={update_on_kvstore!r} must be True (the servers run the optimizer) "
+                            "or False (the workers do)")
+        if not isinstance(gate, str) or gate not in _GATE_MODES:
             raise ValueError(f"gate={gate!r} is not one of {', '.join(_GATE_MODES)}")
+        self.config = config if config is not None else SchedulerConfig()
         if gate == "engine" and not gate_mod.available():
             raise ValueError("gate='engine' needs MXEnginePushAsyncND in libmxnet, which this build lacks; "
                              "use gate='auto' or 'issue'")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -41,18 +42,47 @@ _STOP_S = 5.0  # SIGTERM -> SIGKILL
 _PS_ROLE_CODE = "import mxnet"
 
 
+def _count(text: str) -> int:
+    """A process count: an int >= 1 (argparse turns the ValueError into a usage error naming the option)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(text)
+    return value
+
+
+def _seconds(positive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ValueError(text)
+        return value
+    parse.__name__ = "positive number of seconds" if positive else "number of seconds >= 0"
+    return parse
+
+
+_count.__name__ = "count >= 1"
+_port.__name__ = "port 0..65535"
+
+
 def _add_options(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
     def default(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
-    parser.add_argument("--workers", type=int, default=default(1), help="worker processes (default 1)")
-    parser.add_argument("--servers", type=int, default=default(1), help="parameter-server processes (default 1)")
+    parser.add_argument("--workers", type=_count, default=default(1), help="worker processes (default 1)")
+    parser.add_argument("--servers", type=_count, default=default(1), help="parameter-server processes (default 1)")
     parser.add_argument("--host", default=default("127.0.0.1"),
                         help="address every process binds and advertises (default 127.0.0.1, loopback)")
-    parser.add_argument("--port", type=int, default=default(0), help="ps-lite scheduler port (default: a free one)")
-    parser.add_argument("--timeout", type=float, default=default(None),
+    parser.add_argument("--port", type=_port, default=default(0), help="ps-lite scheduler port (default: a free one)")
+    parser.add_argument("--timeout", type=_seconds(positive=True), default=default(None),
                         help="stop the whole job after this many seconds (default: no limit)")
-    parser.add_argument("--grace", type=float, default=default(30.0),
+    parser.add_argument("--grace", type=_seconds(positive=False), default=default(30.0),
                         help="after a worker fails, seconds the others get to stop by themselves (default 30)")
 
 

@@ -80,3 +80,19 @@ def test_a_missing_worker_command_is_a_usage_error():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "put it after '--'" in proc.stderr
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--workers", "0", "count >= 1"), ("--workers", "two", "count >= 1"), ("--servers", "-1", "count >= 1"),
+    ("--port", "70000", "port 0..65535"), ("--timeout", "-5", "positive number of seconds"),
+    ("--timeout", "nan", "positive number of seconds"), ("--grace", "-1", "number of seconds >= 0")])
+def test_bad_counts_ports_and_seconds_are_usage_errors_naming_the_option_before_any_process_starts(
+        option, value, expected, capsys, monkeypatch):
+    from commsched import cli
+    from commsched.plugins.mxnet import launch
+
+    monkeypatch.setattr(launch, "Job", None)  # a job that started would fail with TypeError, not a usage error
+    with pytest.raises(SystemExit) as exc_info:
+        cli.main(["launch", "mxnet", option, value, "--", "sleep", "60"])
+    assert exc_info.value.code == 2
+    assert f"argument {option}: invalid {expected} value: '{value}'" in capsys.readouterr().err

@@ -266,3 +266,27 @@ def test_the_backend_closes_twice_without_harm_and_leaves_no_thread():
     backend.close()
     backend.close()
     assert not commsched_threads() - before
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"config": {"partition_bytes": 1024}}, TypeError, r"config must be a commsched.SchedulerConfig, got dict; "
+     r"use config=commsched.SchedulerConfig\(\*\*\{'partition_bytes': 1024\}\)"),
+    ({"config": 1024}, TypeError,
+     r"config must be a commsched.SchedulerConfig, got int; use config=commsched.SchedulerConfig\("),
+    ({"kvstore": 3}, TypeError,
+     r"kvstore must be a KVStore type name such as 'dist_sync' or an mx.kv.KVStore, got int"),
+    ({"update_on_kvstore": "yes"}, TypeError, r"update_on_kvstore='yes' must be True .* or False"),
+    ({"update_on_kvstore": 1}, TypeError, r"update_on_kvstore=1 must be True"),
+    ({"gate": ["auto"]}, ValueError, r"gate=\['auto'\] is not one of auto, engine, issue"),
+])
+def test_bad_constructor_arguments_name_the_argument_and_the_fix_before_any_store_or_thread(
+        kwargs, error, message, monkeypatch):
+    from commsched.plugins.mxnet import kvstore as kvstore_mod
+
+    # the checks come first: a ps-lite store (dist_sync would wait for a scheduler) is never made
+    monkeypatch.setattr(kvstore_mod, "sync_kvstore", None)
+    before = commsched_threads()
+    args = {"kvstore": "dist_sync", **kwargs}
+    with pytest.raises(error, match=message):
+        cmx.KVStore(args.pop("kvstore"), **args)
+    assert commsched_threads() == before
