@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     hvd.init()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())  # one GPU per rank, not all on cuda:0
     torch.set_num_threads(1)
     rows = [{"setting": "hvd.DistributedOptimizer", "step_s": measure(
         lambda n: hvd.DistributedOptimizer(torch.optim.SGD(n.parameters(), lr=0.01),

@@ -47,6 +47,8 @@ def main() -> None:
     args = parser.parse_args()
 
     hvd.init()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())  # one GPU per rank, not all on cuda:0
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = small_cnn(args.width)

@@ -19,6 +19,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     args = ap.parse_args()
     hvd.init()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())  # one GPU per rank, not all on cuda:0
     torch.set_num_threads(1)
     torch.manual_seed(0)
     w = args.width

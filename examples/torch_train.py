@@ -9,6 +9,7 @@ communication) per step.
 
 import argparse
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,13 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        # Before init_process_group: otherwise every rank's NCCL communicator (and
+        # commsched's communication stream) lands on cuda:0.
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     w = args.width
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(w, w), nn.ReLU())], nn.Linear(w, 10)).to(device)
