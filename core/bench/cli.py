@@ -13,6 +13,7 @@ from the plugin's ``bench/strategies.py``, ``bench/worker.py`` and
 from __future__ import annotations
 
 import argparse
+import os
 import importlib
 import json
 import logging
@@ -27,6 +28,7 @@ from commsched.bench.cpu import BUSY_WARNING, CpuWindow
 from commsched.bench.netns import NetworkSetupError, make_cluster, parse_rate
 from commsched.bench.options import mebibytes, parse_strategy_list
 from commsched.bench.procs import signals_raise
+from commsched.bench.picture import draw_timeline
 from commsched.bench.report import (
     assemble_report,
     build_report,
@@ -168,12 +170,27 @@ def run(args: argparse.Namespace) -> int:
     write_json(report, args.json)
     if args.plot:
         plot(report, args.plot)
+    draw_timelines(report)
     failed = baseline.status == "failed" or any(p.status == "failed" for p in phases)
     if failed:
         print(f"commsched bench: some phases failed; logs kept in {work_dir}", file=sys.stderr)
         return 1
     shutil.rmtree(work_dir, ignore_errors=True)
     return 0
+
+
+def draw_timelines(report: dict) -> list[str]:
+    """Next to every timeline a strategy wrote (``--timeline DIR``), the picture of its last steps (PNG)."""
+    drawn = []
+    for entry in report["results"]:
+        paths = entry.get("timeline") or []
+        for path in [paths] if isinstance(paths, str) else paths:
+            try:
+                drawn.append(draw_timeline(path, os.path.splitext(path)[0] + ".png",
+                                           title=f"{entry['strategy']} (measured, {os.path.basename(path)})"))
+            except (OSError, ValueError, KeyError) as exc:
+                print(f"commsched bench: no picture of {path}: {exc}", file=sys.stderr)
+    return drawn
 
 
 def main(argv: list[str] | None = None) -> int:

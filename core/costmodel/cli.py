@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from commsched.bench.picture import draw_timeline
 from commsched.bench.report import assemble_report, markdown, result_entry, write_json
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
 from commsched.costmodel.profile import Profile
@@ -161,6 +162,7 @@ def _write_timelines(results: list[SimResult], directory: str | None) -> dict[st
         path = os.path.join(directory, f"sim-{r.strategy.replace(':', '_')}.json")
         with open(path, "w") as fh:
             fh.write(r.trace_json())
+        draw_timeline(r.trace, path[:-5] + ".png", title=f"simulated {r.strategy}: step {r.step_time_s:.3f} s")
         paths[r.strategy] = path
     return paths
 

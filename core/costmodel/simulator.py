@@ -248,6 +248,7 @@ class _Sim:
                 self.waiting_since = None
             if kind == "mark":
                 self.marks.append(self.now)
+                self.trace.append({"name": label, "ph": "i", "s": "p", "pid": 0, "tid": 0, "ts": self.now * 1e6})
                 self.lane_pos += 1
                 continue
             self.task_left = work

@@ -127,7 +127,11 @@ def test_the_trace_is_chrome_json_with_compute_and_network_lanes():
     doc = json.loads(result.trace_json())
     lanes = {e["tid"] for e in doc["traceEvents"]}
     assert lanes == {0, 1}
-    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in doc["traceEvents"])
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    marks = [e for e in doc["traceEvents"] if e["ph"] == "i"]
+    assert spans and all(e["dur"] >= 0 for e in spans)
+    assert [m["name"] for m in marks] == [f"step {s}" for s in range(5)] + ["end"]  # the step boundaries
+    assert len(spans) + len(marks) == len(doc["traceEvents"])
 
 
 @pytest.mark.parametrize("bad", ["ddp:0", "ddp:x", "dynamic:3", "nccl", ""])
