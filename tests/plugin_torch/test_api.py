@@ -133,23 +133,31 @@ def test_optimizer_over_other_parameters_is_refused():
         DistributedOptimizer(model, model)
 
 
-def test_non_contiguous_gradient_is_reduced_and_applied():
-    class T(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(4, 6))
-
-        def forward(self, x):
-            return x @ self.w.t().contiguous().t()  # grad of w arrives transposed-strided for some ops
-
-    model = T()
+@pytest.mark.parametrize("cross_iteration", [True, False])
+def test_non_contiguous_gradient_is_reduced_and_applied(cross_iteration):
+    # A parameter stored transposed (as channels_last weights are): autograd gives its grad the
+    # parameter's strides, so the gradient the optimizer's hook sees is not contiguous and is
+    # reduced through a contiguous copy (then copied back on the synchronous path).
+    w = nn.Parameter(torch.arange(24, dtype=torch.float32).reshape(6, 4).t())
+    assert not w.is_contiguous()
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.is_contiguous()))  # runs before commsched's
+    model = nn.Module()
+    model.w = w
+    model.forward = lambda x: x @ model.w
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model,
-                               config=commsched.SchedulerConfig(partition_bytes=8))
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    opt.synchronize()
-    assert torch.equal(model.w, torch.full((4, 6), -1.0))
-    opt.close()
+                               config=commsched.SchedulerConfig(partition_bytes=8, cross_iteration=cross_iteration))
+    try:
+        x = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+        model(x).sum().backward()
+        assert seen == [False], "the gradient reached the optimizer contiguous; the test proves nothing"
+        expected = w.detach().clone() - x.sum(0, keepdim=True).t().expand(4, 6)  # d/dw sum(x @ w) = x^T 1
+        opt.step()
+        opt.synchronize()
+        assert torch.equal(model.w.detach(), expected)
+        assert opt.stats()["pieces"] == 24 * 4 // 8  # cut into 8-byte pieces of the contiguous copy
+    finally:
+        opt.close()
 
 
 def test_state_dict_has_the_wrapped_optimizers_format_and_round_trips():
