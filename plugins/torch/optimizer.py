@@ -718,6 +718,23 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                              "(without it there are no layers to time)")
         return profile_recorded(recorder, cross_iteration=self._cross, world_size=self.world_size)
 
+    def report(self, topology: Any = None) -> str:
+        """A short summary of the training so far: exposed communication per step, bytes and pieces
+        per step, goodput, the settings in use; with ``topology`` (a
+        :class:`commsched.costmodel.Topology`, e.g. from ``commsched probe``) also the time the
+        network should take, the overlap that implies and the step the simulator expected.
+        Returns the text (print it, or log it)."""
+        from commsched.costmodel.report import format_report, training_report
+
+        try:
+            prof = self.profile()
+        except ValueError:  # no model: no layers to time
+            prof = None
+        settings = {"ordering": self.config.ordering, "partition_bytes": self.config.partition_bytes,
+                    "credit_bytes": self.config.credit_bytes, "cross_iteration": self._cross,
+                    "world_size": self.world_size}
+        return format_report(training_report(self.stats(), settings=settings, profile=prof, topology=topology))
+
     def close(self, timeout: float | None = None) -> None:
         """Apply what is pending (waiting at most ``timeout``, default ``timeout_s``), remove the
         hooks, close the scheduler (which closes the backend). Idempotent. ``with opt:`` closes

@@ -210,3 +210,19 @@ def test_horovod_backend_defaults_to_1mib_pieces_unless_the_environment_says_oth
     assert _default_config("torch").partition_bytes == commsched.SchedulerConfig().partition_bytes
     monkeypatch.setenv("COMMSCHED_PARTITION_BYTES", "2MiB")
     assert _default_config("horovod").partition_bytes == 2 << 20
+
+
+def test_report_summarises_the_run_and_compares_with_the_cost_model():
+    from commsched.costmodel.topology import Topology
+
+    model = small()
+    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                              config=commsched.SchedulerConfig(partition_bytes=256, credit_bytes=1024)) as opt:
+        train(opt, model, steps=4)
+        opt.synchronize()
+        plain = opt.report()
+        with_model = opt.report(topology=Topology.emulated(2, None, "1gbit"))
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert "after 4 steps" in plain and "partition_bytes=256" in plain and "pass topology=" in plain
+    assert f"{nbytes / 1e6:.2f} MB" in plain  # every gradient byte, once per step
+    assert "the network should take" in with_model and "the simulator expected a step of" in with_model
