@@ -38,7 +38,7 @@ def test_without_agreement_the_same_credit_deadlocks_and_is_reported(opposite_or
         result = opposite_orders[rank]["fifo"]
         assert result["error"] is not None and result["error"].startswith("CommschedTimeout"), result
         assert "still pending" in result["error"]
-        assert result["elapsed"] < 30
+        assert result["elapsed"] < result["timeout_s"] + 5  # the window's wait is bounded by timeout_s
 
 
 @pytest.mark.timeout(90)
@@ -48,6 +48,6 @@ def test_a_worker_that_dies_makes_the_other_fail_clearly_and_the_launcher_stops_
     assert "exited with status 3" in run.output, run.output[-3000:]  # the launcher names the dead worker
     survivor = run.results[0]
     assert survivor["error_type"] in ("CommschedTimeout", "RemoteAbort", "CommunicationError"), survivor
-    assert survivor["elapsed"] < 30
+    assert survivor["elapsed"] < survivor["timeout_s"] + 5  # from the step rank 1 died in
     assert "CommschedTimeout" in run.output or "RemoteAbort" in run.output  # the traceback is printed
     assert run.stray == [], "the launcher left processes running"

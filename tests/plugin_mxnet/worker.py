@@ -218,6 +218,7 @@ def mode_order(args) -> None:
         except commsched.CommschedError as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"
         result["elapsed"] = time.monotonic() - start
+        result["timeout_s"] = config.timeout_s
         if result["error"] is None:
             kv.close()
     write(args.out, inner.rank, results)
@@ -237,6 +238,8 @@ def mode_die(args) -> None:
     start = time.monotonic()
     try:
         for step, micro in enumerate(data):
+            if step == 3:
+                start = time.monotonic()  # elapsed counts from the step in which rank 1 dies
             if kv.rank == 1 and step == 3:
                 os._exit(3)  # dies without a word, as a killed process does
             x, y = micro[0]
@@ -247,7 +250,7 @@ def mode_die(args) -> None:
             loss.asnumpy()
     except Exception as exc:
         write(args.out, kv.rank, {"rank": kv.rank, "error_type": type(exc).__name__, "error": str(exc),
-                                  "elapsed": time.monotonic() - start})
+                                  "elapsed": time.monotonic() - start, "timeout_s": config.timeout_s})
         traceback.print_exc()
         # MXNet's own shutdown would now wait for the dead worker (ps-lite's final
         # barrier) until the launcher kills it; skip it to keep the test short.
