@@ -84,8 +84,12 @@ class GradientReducer:
 
     def __init__(self, config: SchedulerConfig | None = None, backend: str = "collective", op: str = "sum") -> None:
         if config is not None and not isinstance(config, SchedulerConfig):
+            hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
+                "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
             raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; "
-                            "build one with commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)")
+                            f"use config={hint}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str ('collective' or 'horovod'), got {type(backend).__name__}")
         if op not in OPS:
             raise ValueError(f"op={op!r}: use 'sum' or 'mean'")
         self.config = config if config is not None else SchedulerConfig()

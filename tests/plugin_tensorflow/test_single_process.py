@@ -284,3 +284,25 @@ def test_tape_returns_gradients_marked_as_reduced_and_unroll_runs_n_steps():
     counter = tf.Variable(0)
     results = unroll(lambda: tf.identity(counter.assign_add(1)), 3)()
     assert [int(r) for r in results] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("make", ["optimizer", "tape"])
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"config": {"credit_bytes": 4096}}, TypeError, r"config must be a commsched.SchedulerConfig, got dict; "
+     r"use config=commsched.SchedulerConfig\(\*\*\{'credit_bytes': 4096\}\)"),
+    ({"config": 4096}, TypeError, r"got int; use config=commsched.SchedulerConfig\(partition_bytes=\.\.\."),
+    ({"backend": 1}, TypeError, r"backend must be a str \('collective' or 'horovod'\), got int"),
+    ({"backend": "nccl"}, ValueError, r"backend='nccl' is not a TensorFlow backend; use one of"),
+])
+def test_bad_constructor_arguments_name_the_argument_and_the_fix(make, kwargs, error, message):
+    import threading
+
+    before = set(threading.enumerate())
+    with pytest.raises(error, match=message):
+        if make == "optimizer":
+            DistributedOptimizer(tf.keras.optimizers.SGD(0.1), **kwargs)
+        else:
+            with tf.GradientTape() as tape:
+                pass
+            DistributedGradientTape(tape, **kwargs)
+    assert set(threading.enumerate()) == before  # nothing started
