@@ -204,13 +204,17 @@ class Profile:
                        step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                        per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})),
                        optimizer_step_s=data.get("optimizer_step_s"))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"the profile is missing or mistypes a field ({exc!r}); see "
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None
 
     @classmethod
     def from_json(cls, path: str) -> "Profile":
-        return cls.from_dict(read_json(path))
+        data = read_json(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
 
 def read_json(path: str) -> Any:

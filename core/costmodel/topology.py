@@ -279,4 +279,8 @@ class Topology:
     def from_json(cls, path: str) -> "Topology":
         from commsched.costmodel.profile import read_json
 
-        return cls.from_dict(read_json(path))
+        data = read_json(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None

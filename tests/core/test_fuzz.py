@@ -140,8 +140,6 @@ def test_a_file_of_the_other_schema_is_a_value_error_naming_both_schemas(kind, o
         cls.from_json(path)
 
 
-@pytest.mark.xfail(strict=True, reason="core/costmodel's from_json names the file only for invalid JSON; naming it "
-                                       "for schema and field errors is a change in core/")
 @pytest.mark.parametrize("kind", ["profile", "topology"])
 def test_a_schema_error_names_the_file_too(kind, model_files, tmp_path):
     cls, _ = model_files[kind]
