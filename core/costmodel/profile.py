@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "read_json"]
+__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "load_json", "read_json"]
 
 SCHEMA = "commsched-profile/1"
 
@@ -210,11 +210,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, path: str) -> "Profile":
-        data = read_json(path)
-        try:
-            return cls.from_dict(data)
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
+        return load_json(path, cls.from_dict)
 
 
 def read_json(path: str) -> Any:
@@ -224,3 +220,12 @@ def read_json(path: str) -> Any:
             return json.load(fh)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); is it truncated?") from None
+
+
+def load_json(path: str, from_dict: Any) -> Any:
+    """``from_dict`` of the JSON at ``path``; every ``ValueError`` (bad JSON, schema, field) names the file."""
+    data = read_json(path)
+    try:
+        return from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

@@ -277,10 +277,6 @@ class Topology:
 
     @classmethod
     def from_json(cls, path: str) -> "Topology":
-        from commsched.costmodel.profile import read_json
+        from commsched.costmodel.profile import load_json
 
-        data = read_json(path)
-        try:
-            return cls.from_dict(data)
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
+        return load_json(path, cls.from_dict)

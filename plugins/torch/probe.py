@@ -188,14 +188,8 @@ def _worker_main(argv: list[str] | None = None) -> int:
 
     from commsched.plugins.torch.bench import worker
 
-    parser = argparse.ArgumentParser(description="commsched probe worker (started by commsched probe)")
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    args = parser.parse_args(argv)
-    worker._die_with_parent()
-    with open(args.spec) as f:
-        spec = json.load(f)
-    rank, world, nodes = args.rank, spec["world_size"], spec["nodes"]
+    spec, rank = worker.start_rank(argv, "commsched probe worker (started by commsched probe)")
+    world, nodes = spec["world_size"], spec["nodes"]
     per_node = world // nodes
     with open(os.path.join(os.path.dirname(spec["run_dir"]), "sizes.json")) as f:
         sizes = json.load(f)

@@ -658,14 +658,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
     from commsched.plugins.torch.bench import worker
     from commsched.plugins.torch.bench.workloads import get_workload
 
-    parser = argparse.ArgumentParser(description="commsched profile worker (started by commsched profile)")
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    args = parser.parse_args(argv)
-    worker._die_with_parent()
-    with open(args.spec) as f:
-        spec = json.load(f)
-    rank = args.rank
+    spec, rank = worker.start_rank(argv, "commsched profile worker (started by commsched profile)")
     progress = worker.Progress(spec["run_dir"], rank == 0)
     try:
         result = worker.run_baseline(spec, rank, progress)  # the bench's own baseline, unchanged

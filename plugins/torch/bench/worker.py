@@ -258,16 +258,21 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank; exit 0 with a result file, non-zero on error."""
-    parser = argparse.ArgumentParser(description="commsched bench worker (started by the runner)")
+def start_rank(argv: list[str] | None, description: str) -> tuple[dict[str, Any], int]:
+    """What every rank the runner starts does first (bench, profile and probe workers): read
+    ``--spec``/``--rank``, and die with the runner. Returns the spec and the rank."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--rank", type=int, required=True)
     args = parser.parse_args(argv)
     _die_with_parent()
     with open(args.spec) as f:
-        spec = json.load(f)
-    rank = args.rank
+        return json.load(f), args.rank
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank; exit 0 with a result file, non-zero on error."""
+    spec, rank = start_rank(argv, "commsched bench worker (started by the runner)")
     progress = Progress(spec["run_dir"], rank == 0)
     out = os.path.join(spec["run_dir"], f"rank{rank}.json")
     try:
