@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-__all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "parse_size", "read_environment"]
+__all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "parse_size", "read_environment"]
 
 ENV_PREFIX = "COMMSCHED_"
 ORDERINGS = ("dynamic", "static", "fifo")
@@ -171,3 +171,13 @@ class SchedulerConfig:
                 else:
                     value = _DEFAULTS[f.name]
             object.__setattr__(self, f.name, _PARSERS[f.name](value, source))
+
+
+def check_config(config: Any) -> None:
+    """What every plugin's constructor does with its ``config`` argument before anything starts:
+    ``None`` or a :class:`SchedulerConfig`, else a ``TypeError`` saying how to build one (from a
+    dict: ``SchedulerConfig(**that_dict)``)."""
+    if config is not None and not isinstance(config, SchedulerConfig):
+        hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
+            "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
+        raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; use config={hint}")

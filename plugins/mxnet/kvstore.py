@@ -31,7 +31,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from commsched.config import SchedulerConfig
+from commsched.config import SchedulerConfig, check_config
 from commsched.errors import CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable, close_at_exit
 from commsched.policy import agrees_on_order
@@ -83,11 +83,7 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
     def __init__(self, kvstore: str | mx.kv.KVStore = "dist_sync", config: SchedulerConfig | None = None, *,
                  update_on_kvstore: bool = False, gate: str = "auto") -> None:
         # every argument is checked before a ps-lite store, a TCP store or a thread exists
-        if config is not None and not isinstance(config, SchedulerConfig):
-            hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
-                "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
-            raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; "
-                            f"use config={hint}")
+        check_config(config)
         if not isinstance(kvstore, (str, mx.kv.KVStore)):
             raise TypeError(f"kvstore must be a KVStore type name such as 'dist_sync' or an mx.kv.KVStore, "
                             f"got {type(kvstore).__name__}")

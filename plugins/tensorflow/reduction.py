@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from commsched.config import SchedulerConfig
+from commsched.config import SchedulerConfig, check_config
 from commsched.errors import SchedulerClosed
 from commsched.replay import Plan, PlanTensor, backward_ready_times, plan
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
@@ -83,11 +83,7 @@ class GradientReducer:
     """
 
     def __init__(self, config: SchedulerConfig | None = None, backend: str = "collective", op: str = "sum") -> None:
-        if config is not None and not isinstance(config, SchedulerConfig):
-            hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
-                "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
-            raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; "
-                            f"use config={hint}")
+        check_config(config)
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str ('collective' or 'horovod'), got {type(backend).__name__}")
         if op not in OPS:

@@ -124,7 +124,7 @@ def DistributedGradientTape(tape: tf.GradientTape, config: SchedulerConfig | Non
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(tape.__dict__)  # the same recording: GradientTape keeps it in attributes
     wrapped.commsched = reducer
-    wrapped._commsched_dense = bool(sparse_as_dense)
+    wrapped.sparse_as_dense = bool(sparse_as_dense)
     return wrapped
 
 
@@ -140,7 +140,7 @@ def _tape_class(base: type) -> type:
         grads = base.gradient(self, target, sources, output_gradients=output_gradients,
                               unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads)
-        if getattr(self, "_commsched_dense", False):
+        if self.sparse_as_dense:
             flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in flat]
         names = [variable_name(s, i) for i, s in enumerate(tf.nest.flatten(sources))]
         return tf.nest.pack_sequence_as(grads, self.commsched.reduce(flat, names))
@@ -149,5 +149,6 @@ def _tape_class(base: type) -> type:
         """Refuse further ``gradient()`` calls (:class:`commsched.SchedulerClosed`). Idempotent."""
         self.commsched.close()
 
+    # declared here: sparse_as_dense (Horovod's argument) says whether IndexedSlices become dense
     return type(base.__name__, (base,), {"__module__": __name__, "__doc__": __doc__, "gradient": gradient,
-                                         "close": close})
+                                         "close": close, "sparse_as_dense": False})

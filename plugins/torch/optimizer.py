@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from commsched.config import SchedulerConfig, read_environment
+from commsched.config import SchedulerConfig, check_config, read_environment
 from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable
 from commsched.policy import agrees_on_order
@@ -243,11 +243,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError("model must be the torch.nn.Module whose parameters the optimizer updates (or leave it "
                             f"out), got {type(model).__name__}")
-        if config is not None and not isinstance(config, SchedulerConfig):
-            hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
-                "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
-            raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; "
-                            f"use config={hint}")
+        check_config(config)
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
             raise TypeError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1 (the number "
                             "of backward passes whose gradients are accumulated before one reduction)")
