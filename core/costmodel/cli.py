@@ -286,7 +286,10 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credit-mb", type=float, default=4.0)
     p.add_argument("--sim-steps", type=int, default=5)
     p.add_argument("--out-dir", default="out/validate", help="bench and predicted reports of each configuration")
-    p.add_argument("--reuse", action="store_true", help="reuse bench reports already in --out-dir")
+    p.add_argument("--reuse", action="store_true", help="reuse bench reports and probed topologies already in --out-dir")
+    p.add_argument("--topology-source", choices=("probe", "emulated"), default="probe",
+                   help="the network the simulator uses: measured by commsched probe on each cluster (default), "
+                        "or the configured one (Topology.emulated: assumed latency)")
     p.add_argument("--json", required=True, help="write the validation summary here")
 
 
@@ -313,7 +316,8 @@ def run_validate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"commsched validate: {exc}", file=sys.stderr)
         return 2
-    from commsched.plugins.torch.profiler import load_or_profile  # profiling needs torch
+    from commsched.plugins.torch.probe import probe  # measuring needs torch
+    from commsched.plugins.torch.profiler import load_or_profile
 
     os.makedirs(args.out_dir, exist_ok=True)
     rows = []
@@ -336,12 +340,21 @@ def run_validate(args: argparse.Namespace) -> int:
         with open(bench_json) as fh:
             measured = {r["strategy"]: r["step_time_s"] for r in json.load(fh)["results"] if r["status"] == "ok"}
         topology = Topology.emulated(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
+        if args.topology_source == "probe":
+            topo_json = os.path.join(args.out_dir, f"topo-{cfg['bandwidth']}-{cfg['workers']}x"
+                                                   f"{cfg['nodes'] or cfg['workers']}.json")
+            if args.reuse and os.path.exists(topo_json):
+                topology = Topology.from_json(topo_json)
+            else:
+                topology = probe(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
+                topology.to_json(topo_json)
         profile = load_or_profile(cfg["workload"], workers=cfg["workers"], nodes=cfg["nodes"],
                                   bandwidth=cfg["bandwidth"])
         names = [s for s in strategies if s in measured]
         predicted = {s: simulate(profile, topology, s, settings).step_time_s for s in names}
         errors = {s: (predicted[s] - measured[s]) / measured[s] for s in names}
-        rows.append({**cfg, "status": "ok", "measured_s": measured, "predicted_s": predicted, "error": errors,
+        rows.append({**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured,
+                     "predicted_s": predicted, "error": errors,
                      "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])})
         print(f"    errors {', '.join(f'{s} {e:+.1%}' for s, e in errors.items())}; "
               f"tau {rows[-1]['kendall_tau']:.2f}", file=sys.stderr, flush=True)
@@ -350,7 +363,8 @@ def run_validate(args: argparse.Namespace) -> int:
     summary = {"configurations": len(rows), "ok": len(ok), "points": len(errs),
                "mean_abs_error": sum(errs) / len(errs) if errs else None, "max_abs_error": max(errs, default=None),
                "min_kendall_tau": min((r["kendall_tau"] for r in ok), default=None),
-               "targets": {"mean_abs_error": 0.05, "max_abs_error": 0.10, "kendall_tau": 0.8}}
+               "targets": {"mean_abs_error": 0.05, "max_abs_error": 0.10, "kendall_tau": 0.8},
+               "topology_source": args.topology_source}
     with open(args.json, "w") as fh:
         json.dump({"summary": summary, "configurations": rows}, fh, indent=1)
     print(json.dumps(summary, indent=1))
