@@ -286,7 +286,8 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credit-mb", type=float, default=4.0)
     p.add_argument("--sim-steps", type=int, default=5)
     p.add_argument("--out-dir", default="out/validate", help="bench and predicted reports of each configuration")
-    p.add_argument("--reuse", action="store_true", help="reuse bench reports and probed topologies already in --out-dir")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse bench reports and probed topologies already in --out-dir")
     p.add_argument("--topology-source", choices=("probe", "emulated"), default="probe",
                    help="the network the simulator uses: measured by commsched probe on each cluster (default), "
                         "or the configured one (Topology.emulated: assumed latency)")
