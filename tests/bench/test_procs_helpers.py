@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from commsched.bench.procs import free_ports, horovod_gloo_env, horovod_gloo_rendezvous
+from commsched.bench.procs import free_ports, horovod_gloo_env
+from commsched.plugins.horovod_gloo import horovod_gloo_rendezvous
 
 
 def test_free_ports_are_distinct_and_bindable():

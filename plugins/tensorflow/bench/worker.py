@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from commsched.bench.procs import horovod_gloo_rendezvous
+from commsched.plugins.horovod_gloo import horovod_gloo_rendezvous
 from commsched.plugins.tensorflow.bench.strategies import HOROVOD_STRATEGIES
 from commsched.plugins.tensorflow.bench.workloads import build_model, synthetic_data
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from commsched.bench.procs import horovod_gloo_rendezvous
+from commsched.plugins.horovod_gloo import horovod_gloo_rendezvous
 from commsched.bench.spec import StrategySpec, parse_strategies
 from torch import nn
 
@@ -236,7 +236,7 @@ def _jsonable(obj: Any) -> Any:
 def init_horovod(spec: dict, rank: int) -> Any:
     """``import horovod.torch`` and ``hvd.init()`` through a gloo rendezvous.
 
-    Follows ``horovodrun --gloo`` (:func:`commsched.bench.procs.horovod_gloo_rendezvous`):
+    Follows ``horovodrun --gloo`` (:func:`commsched.plugins.horovod_gloo.horovod_gloo_rendezvous`):
     rank 0 hosts the rendezvous server inside its own node; every rank sets the
     ``HOROVOD_*`` variables horovodrun would set and calls ``hvd.init()``.
     """
