@@ -44,13 +44,14 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from commsched.bench.procs import free_ports, pids_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("torch", "horovod", "tensorflow", "mxnet")
@@ -312,34 +313,9 @@ def worker_main(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- driver side
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def tagged_pids(tag: str) -> list[int]:
-    """Live (non-zombie) processes whose environment holds ``COMMSCHED_FAULT_JOB=tag``."""
-    needle = f"COMMSCHED_FAULT_JOB={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    """Live processes of the job tagged ``tag``."""
+    return pids_with_env("COMMSCHED_FAULT_JOB", tag)
 
 
 def base_env(tag: str) -> dict:

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,19 @@ def horovod_gloo_env(master_addr: str, port: int | str, ifname: str, slot: Any) 
 RENDEZVOUS_PORT_FILE = "horovod_rendezvous_port"
 
 
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Live (non-zombie) processes whose environment holds ``name=value``: how a test or a
+    driver finds every process of a job it tagged, without matching names."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found

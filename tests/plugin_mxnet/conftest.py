@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from commsched.bench.procs import pids_with_env
 from helpers import worker_env
 
 HERE = Path(__file__).resolve().parent
@@ -27,19 +28,7 @@ REPO = HERE.parents[1]
 
 def tagged_pids(tag: str) -> list[int]:
     """Pids of live processes whose environment holds ``COMMSCHED_TEST_JOB=tag``."""
-    needle = f"COMMSCHED_TEST_JOB={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    return pids_with_env("COMMSCHED_TEST_JOB", tag)
 
 
 @dataclass
