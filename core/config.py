@@ -15,7 +15,7 @@ from typing import Any, Mapping
 __all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "parse_size", "read_environment"]
 
 ENV_PREFIX = "COMMSCHED_"
-ORDERINGS = ("dynamic", "static", "fifo")
+ORDERINGS = ("dynamic", "static", "fifo", "planned")
 
 _UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<unset>"})()
 
@@ -26,6 +26,7 @@ _DEFAULTS: dict[str, Any] = {
     "cross_iteration": True,
     "timeout_s": 300.0,
     "timeline": None,
+    "plan": None,
 }
 
 _SIZE_UNITS = {
@@ -116,6 +117,21 @@ def _parse_timeline(value: Any, field: str) -> str | None:
     return value or None
 
 
+def _parse_plan(value: Any, field: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        return value or None
+    from commsched.plan import Plan
+
+    if isinstance(value, Plan):
+        return value
+    raise ValueError(f"{field}={value!r} must be the path of a plan JSON (from `commsched plan`), a "
+                     "commsched.plan.Plan, or None")
+
+
 _PARSERS = {
     "partition_bytes": parse_size,
     "credit_bytes": parse_size,
@@ -123,6 +139,7 @@ _PARSERS = {
     "cross_iteration": _parse_bool,
     "timeout_s": _parse_timeout,
     "timeline": _parse_timeline,
+    "plan": _parse_plan,
 }
 
 
@@ -137,13 +154,19 @@ class SchedulerConfig:
             credit may go alone when nothing else is in flight. Default 16 MiB.
         ordering: ``"dynamic"`` (rank 0 decides each next piece and publishes it),
             ``"static"`` (the order observed in the first step, then fixed on every
-            rank), or ``"fifo"`` (local ready order; only for engines that agree on
-            order themselves, and as a baseline). Default ``"dynamic"``.
+            rank), ``"fifo"`` (local ready order; only for engines that agree on
+            order themselves, and as a baseline), or ``"planned"`` (the order, piece
+            sizes, fusion groups and algorithms of ``plan``, fixed before training on
+            every rank). Default ``"dynamic"``.
         cross_iteration: let the next forward start layer by layer while later
             layers are still communicating. Default True.
         timeout_s: longest any wait may block before raising ``CommschedTimeout``.
             Default 300.
         timeline: path of a Chrome-trace JSON file to write, or None. Default None.
+        plan: with ``ordering="planned"``, the plan to execute: the path of a JSON
+            written by ``commsched plan`` (or a :class:`commsched.plan.Plan`). With a
+            plan, ``partition_bytes`` and ``credit_bytes`` come from the plan. None
+            (the default) with ``"planned"``: plan in-process from the first steps.
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and
@@ -156,6 +179,7 @@ class SchedulerConfig:
     cross_iteration: bool = _UNSET
     timeout_s: float = _UNSET
     timeline: str | None = _UNSET
+    plan: Any = _UNSET
 
     def __post_init__(self) -> None:
         env = None
@@ -171,6 +195,9 @@ class SchedulerConfig:
                 else:
                     value = _DEFAULTS[f.name]
             object.__setattr__(self, f.name, _PARSERS[f.name](value, source))
+        if self.plan is not None and self.ordering != "planned":
+            raise ValueError(f"plan={self.plan!r} is only read with ordering='planned' (ordering is "
+                             f"{self.ordering!r}); pass SchedulerConfig(ordering='planned', plan=...)")
 
 
 def check_config(config: Any) -> None:

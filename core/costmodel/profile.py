@@ -35,11 +35,15 @@ def _check_time(where: str, name: str, value: float) -> float:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One gradient tensor: the name the scheduler gets, its element count and element size."""
+    """One gradient tensor: the name the scheduler gets, its element count and element size;
+    ``shape`` and ``dtype`` (e.g. ``"float32"``) when the source knows them (a plan's
+    fingerprint compares them)."""
 
     name: str
     numel: int
     element_size: int = 4
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +201,9 @@ class Profile:
             layers = tuple(LayerProfile(
                 name=layer["name"], forward_s=layer["forward_s"], backward_s=layer["backward_s"],
                 apply_s=layer.get("apply_s", 0.0), ready_s=layer.get("ready_s"),
-                tensors=tuple(TensorSpec(t["name"], int(t["numel"]), int(t.get("element_size", 4)))
+                tensors=tuple(TensorSpec(t["name"], int(t["numel"]), int(t.get("element_size", 4)),
+                                         None if t.get("shape") is None else tuple(int(d) for d in t["shape"]),
+                                         t.get("dtype"))
                               for t in layer.get("tensors", ()))) for layer in data["layers"])
             return cls(layers=layers, source=data.get("source", "unknown"), batch_size=data.get("batch_size"),
                        contention=float(data.get("contention", 1.0)),

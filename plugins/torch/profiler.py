@@ -317,7 +317,8 @@ def _scale(values: list[float], target: float, rest: float = 0.0) -> tuple[list[
 
 
 def _tensor_specs(names: Sequence[str], params: dict[str, torch.Tensor]) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(n, params[n].numel(), params[n].element_size()) for n in names)
+    return tuple(TensorSpec(n, params[n].numel(), params[n].element_size(), tuple(params[n].shape),
+                            str(params[n].dtype).removeprefix("torch.")) for n in names)
 
 
 # --------------------------------------------------------------------- apply per layer
