@@ -45,6 +45,8 @@ MXNET = ["mxnet==1.9.1", "numpy==1.26.4"]
 # wheel once per machine into ~/.cache/commsched/wheels/<key>/. With that wheel:
 #   pip install -f ~/.cache/commsched/wheels/<key> '.[horovod]'
 HOROVOD = ["horovod==0.28.1"]
+# The planner's MILP solver (commsched plan); see requirements/planner.txt for why HiGHS.
+PLANNER = ["highspy==1.16.0"]
 TEST = ["pytest", "pytest-timeout", "hypothesis", "ruff", "matplotlib"]
 
 setup(
@@ -65,10 +67,11 @@ setup(
         "tensorflow": TENSORFLOW,
         "mxnet": MXNET,
         "horovod": HOROVOD,
+        "planner": PLANNER,
         "test": TEST,
         # Horovod is left out of 'all': without the cached wheel pip would try
         # the unpatched sdist and fail after minutes of compiling.
-        "all": TORCH + TENSORFLOW + MXNET + TEST,
+        "all": TORCH + TENSORFLOW + MXNET + PLANNER + TEST,
     },
     entry_points={"console_scripts": ["commsched = commsched.cli:main"]},
     classifiers=[
