@@ -214,7 +214,8 @@ class Plan:
             if p.task not in groups:
                 raise ValueError(f"plan: piece {p.name!r} belongs to no group")
             if p.algorithm not in ALGORITHMS:
-                raise ValueError(f"plan: piece {p.name!r} has algorithm {p.algorithm!r}; known: {', '.join(ALGORITHMS)}")
+                raise ValueError(f"plan: piece {p.name!r} has algorithm {p.algorithm!r}; "
+                                 f"known: {', '.join(ALGORITHMS)}")
             if p.name in algorithms:
                 raise ValueError(f"plan: piece {p.name!r} is listed twice")
             algorithms[p.name] = p.algorithm

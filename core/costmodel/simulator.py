@@ -32,6 +32,9 @@ strategy         model
 ``static``       ``credit_bytes``; cross-iteration: layer *i* of the next
                  forward waits for its own gradients, then applies them
 ``hierarchical`` ``dynamic`` with every piece reduced by the two-level algorithm
+``planned``      a :class:`~commsched.plan.Plan`: its groups (fused small tensors
+                 become ready with the last of them), its pieces in its one fixed
+                 order every step, each with its own algorithm, within its credit
 ===============  ==============================================================
 
 Per strategy: step time (steady state: the mean of the last steps), exposed
@@ -53,14 +56,17 @@ from commsched.costmodel.collectives import allreduce_s
 from commsched.costmodel.profile import Profile, TensorSpec
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
+from commsched.plan import Plan, PlannedTensor
 from commsched.policy import Unstarted, replay_policy
 from commsched.task import Piece, Task
 
-__all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "parse_sim_strategy", "simulate", "simulate_all"]
+__all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "parse_sim_strategy", "planned_tensors", "simulate",
+           "simulate_all"]
 
 MB = 1 << 20
 UNLIMITED = 1 << 60
-SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "dynamic", "static", "hierarchical")
+SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "dynamic", "static", "hierarchical",
+                  "planned")
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ def parse_sim_strategy(name: str) -> StrategyModel:
         return StrategyModel(name, "commsched", ordering=kind)
     if kind == "hierarchical":
         return StrategyModel(name, "commsched", ordering="dynamic", algorithm="hierarchical")
+    if kind == "planned":
+        return StrategyModel(name, "commsched", ordering="planned")
     raise ValueError(f"unknown strategy {name!r}; known: {', '.join(SIM_STRATEGIES)}")
 
 
@@ -135,6 +143,8 @@ class SimResult:
     pieces_per_step: float
     step_times_s: list[float] = field(default_factory=list)
     trace: list[dict] = field(default_factory=list)
+    #: the pieces of one steady-state step (step 1) in the order they started
+    issue_order: list[str] = field(default_factory=list)
 
     def trace_json(self) -> str:
         """The simulated steps as Chrome-trace JSON (Perfetto opens it)."""
@@ -145,14 +155,15 @@ class SimResult:
 class _Sim:
     """One rank's compute lane and the network, advanced event by event."""
 
-    def __init__(self, profile: Profile, collective_s: Callable[[int], float]) -> None:
+    def __init__(self, profile: Profile, collective_s: Callable[[int, str | None], float]) -> None:
         self.profile = profile
         self.collective_s = collective_s
         self.now = 0.0
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = 0
         # network: a FIFO of collectives, one at a time
-        self.net_queue: collections.deque[tuple[int, str, Callable[[], None], float]] = collections.deque()
+        self.net_queue: collections.deque[tuple[int, str, Callable[[], None], float, str | None]] = \
+            collections.deque()
         self.net_current: tuple[float, Callable[[], None]] | None = None
         self.net_spans: list[tuple[float, float]] = []
         self.collectives = 0
@@ -169,8 +180,9 @@ class _Sim:
         self.marks: list[float] = []
 
     # network
-    def send(self, nbytes: int, label: str, done: Callable[[], None], extra_s: float = 0.0) -> None:
-        self.net_queue.append((nbytes, label, done, extra_s))
+    def send(self, nbytes: int, label: str, done: Callable[[], None], extra_s: float = 0.0,
+             algorithm: str | None = None) -> None:
+        self.net_queue.append((nbytes, label, done, extra_s, algorithm))
         if self.net_current is None:
             self._start_next_collective()
 
@@ -178,8 +190,8 @@ class _Sim:
         if not self.net_queue:
             self.net_current = None
             return
-        nbytes, label, done, extra = self.net_queue.popleft()
-        duration = self.collective_s(nbytes) + extra
+        nbytes, label, done, extra, algorithm = self.net_queue.popleft()
+        duration = self.collective_s(nbytes, algorithm) + extra
         self.net_current = (self.now + duration, done)
         self.net_spans.append((self.now, self.now + duration))
         self.collectives += 1
@@ -292,17 +304,30 @@ def _ddp_buckets(profile: Profile, first: int, cap: int) -> list[list[tuple[int,
 
 
 def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel,
-             settings: SimSettings | None = None) -> SimResult:
-    """Simulate ``settings.steps`` steps of ``strategy``; the result is per step, steady state."""
+             settings: SimSettings | None = None, plan: Plan | None = None,
+             plan_order: str = "fixed") -> SimResult:
+    """Simulate ``settings.steps`` steps of ``strategy``; the result is per step, steady state.
+
+    ``planned`` needs ``plan`` (its groups must name the profile's tensors). With
+    ``plan_order="priority"`` the plan's groups, piece sizes and algorithms are kept but
+    its order is not: ready pieces go by (step, first tensor of the group in forward
+    order, index) within the credit, as ``dynamic`` does; ``issue_order`` then is that
+    earliest-due-date order (how the planner makes its greedy plan)."""
+    if plan_order not in ("fixed", "priority"):
+        raise ValueError(f"plan_order={plan_order!r}: use 'fixed' or 'priority'")
     settings = settings or SimSettings()
     model = parse_sim_strategy(strategy) if isinstance(strategy, str) else strategy
     algorithm = model.algorithm or settings.algorithm
     world = topology.world_size
     if world < 1:
         raise ValueError("the topology has no ranks")
+    if model.ordering == "planned":
+        if plan is None:
+            raise ValueError("strategy 'planned' needs a plan (make one with `commsched plan`)")
+        plan.check_model(planned_tensors(profile))
 
-    def collective_s(nbytes: int) -> float:
-        return allreduce_s(topology, nbytes, algorithm) if world > 1 else 0.0
+    def collective_s(nbytes: int, piece_algorithm: str | None = None) -> float:
+        return allreduce_s(topology, nbytes, piece_algorithm or algorithm) if world > 1 else 0.0
 
     sim = _Sim(profile, collective_s)
     layers = profile.layers
@@ -319,6 +344,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         step_left[step] -= count
 
     pieces_total = [0]
+    issue_order: list[str] = []
     # ---- commsched: the scheduler's own objects and policy
     policy = replay_policy(model.ordering, UNLIMITED if model.ordering == "fifo" else settings.credit_bytes)
     partition = UNLIMITED if model.ordering == "fifo" else settings.partition_bytes
@@ -335,6 +361,8 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                 return
             in_flight[0] += piece.nbytes
             pieces_total[0] += 1
+            if piece.task.step == 1:
+                issue_order.append(piece.name)
 
             def done(piece: Piece = piece) -> None:
                 in_flight[0] -= piece.nbytes
@@ -358,6 +386,85 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                 for index, (lo, hi) in enumerate(bounds):
                     policy.add(Piece(task, index, lo, hi, (hi - lo) * t.element_size, None, f"{t.name}#{index}"))
             dispatch(step)
+        return fire
+
+    # ---- planned: the plan's groups, one fixed order, each piece's own algorithm
+    tensor_layer = {t.name: li for li, layer in enumerate(layers) for t in layer.tensors}
+    group_waiting: dict[tuple[int, str], int] = {}
+    group_left: dict[tuple[int, str], int] = {}
+    available: dict[tuple[int, str], tuple[int, str]] = {}  # (step, piece) -> (bytes, algorithm)
+    walk = {"pos": 0, "step": 0}
+    plan_pieces = plan.pieces if plan is not None else ()
+    group_rank: dict[str, int] = {}
+    if plan is not None:
+        forward_index = {t.name: i for i, t in enumerate(t for layer in layers for t in layer.tensors)}
+        group_rank = {g.name: min(forward_index[n] for n in g.tensors) for g in plan.groups}
+    ready_heap: list[tuple[int, int, int, str, str]] = []  # priority mode: (step, group rank, index, group, name)
+
+    def next_planned() -> tuple[int, str, str] | None:
+        """The next piece to start, as (step, group, piece name), or None."""
+        if plan_order == "priority":
+            if not ready_heap:
+                return None
+            step, _, index, task, name = ready_heap[0]
+            nbytes = available[(step, name)][0]
+            if in_flight[0] and in_flight[0] + nbytes > plan.credit_bytes:
+                return None
+            heapq.heappop(ready_heap)
+            return step, task, name
+        planned = plan_pieces[walk["pos"]]
+        key = (walk["step"], planned.name)
+        if key not in available or (in_flight[0] and in_flight[0] + available[key][0] > plan.credit_bytes):
+            return None
+        step = walk["step"]
+        walk["pos"] += 1
+        if walk["pos"] == len(plan_pieces):
+            walk["pos"] = 0
+            walk["step"] += 1
+        return step, planned.task, planned.name
+
+    def dispatch_planned() -> None:
+        while plan_pieces:
+            chosen = next_planned()
+            if chosen is None:
+                return
+            step, task_name, piece_name = chosen
+            nbytes, piece_algorithm = available.pop((step, piece_name))
+            in_flight[0] += nbytes
+            pieces_total[0] += 1
+            if step == 1:
+                issue_order.append(piece_name)
+
+            def done(step: int = step, task: str = task_name, nbytes: int = nbytes) -> None:
+                in_flight[0] -= nbytes
+                group_left[(step, task)] -= 1
+                if group_left[(step, task)] == 0:
+                    for name in plan.group(task).tensors:
+                        reduced(step, tensor_layer[name])
+                dispatch_planned()
+            sim.send(nbytes, piece_name, done, extra_s=profile.per_piece_cpu_s, algorithm=piece_algorithm)
+
+    def planned_ready(step: int, li: int) -> Callable[[], None]:
+        def fire() -> None:
+            for t in layers[li].tensors:
+                group = plan.group_of(t.name)
+                key = (step, group.name)
+                if key not in group_waiting:
+                    group_waiting[key] = len(group.tensors)
+                group_waiting[key] -= 1
+                if group_waiting[key] == 0:
+                    bounds = plan.bounds(group)
+                    group_left[key] = len(bounds)
+                    if not bounds:
+                        for name in group.tensors:
+                            reduced(step, tensor_layer[name])
+                    size = plan.group_element_size(group)
+                    for index, (lo, hi) in enumerate(bounds):
+                        name = f"{group.name}#{index}"
+                        available[(step, name)] = ((hi - lo) * size, plan.algorithm_of(name))
+                        if plan_order == "priority":
+                            heapq.heappush(ready_heap, (step, group_rank[group.name], index, group.name, name))
+            dispatch_planned()
         return fire
 
     # ---- peers
@@ -415,6 +522,8 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         return fire
 
     on_ready = {"commsched": commsched_ready, "ddp": ddp_ready, "horovod": horovod_ready}.get(model.kind)
+    if model.ordering == "planned":
+        on_ready = planned_ready
 
     # ---- the program of the compute lane
     def layer_done(step: int, li: int) -> Callable[[], bool]:
@@ -463,7 +572,14 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     overlap = 0.0 if net <= 0 else min(1.0, max(0.0, 1.0 - exposed / net))
     return SimResult(strategy=model.name, step_time_s=sum(measured) / n, exposed_comm_s=exposed, comm_busy_s=net,
                      compute_s=_overlap(sim.busy, window) / n, overlap_ratio=overlap,
-                     pieces_per_step=pieces_total[0] / steps, step_times_s=measured, trace=sim.trace)
+                     pieces_per_step=pieces_total[0] / steps, step_times_s=measured, trace=sim.trace,
+                     issue_order=issue_order)
+
+
+def planned_tensors(profile: Profile) -> list[PlannedTensor]:
+    """The profile's gradients as a plan's fingerprint entries."""
+    return [PlannedTensor(t.name, t.numel, t.element_size, t.shape, t.dtype)
+            for layer in profile.layers for t in layer.tensors]
 
 
 def _overlap(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
@@ -472,6 +588,6 @@ def _overlap(spans: list[tuple[float, float]], window: tuple[float, float]) -> f
 
 
 def simulate_all(profile: Profile, topology: Topology, strategies: list[str],
-                 settings: SimSettings | None = None) -> list[SimResult]:
-    """:func:`simulate` for each strategy, in the order given."""
-    return [simulate(profile, topology, name, settings) for name in strategies]
+                 settings: SimSettings | None = None, plan: Plan | None = None) -> list[SimResult]:
+    """:func:`simulate` for each strategy, in the order given (``plan`` for ``planned``)."""
+    return [simulate(profile, topology, name, settings, plan=plan) for name in strategies]
