@@ -16,6 +16,8 @@ policy                      rule
                             ready here and fits the credit
 :class:`StaticLeader`,      step 0 as leader/follower; then every step repeats step 0's
 :class:`StaticFollower`     order (the plan), with no messages
+:class:`PlannedPolicy`      the plan's fixed piece order within the plan's credit, from
+                            step 0 on every rank, with no messages (``planned``)
 :class:`FifoPolicy`         submission order within the credit (``fifo``)
 :class:`ImmediatePolicy`    submission order, no credit (ranks > 0 on Horovod, whose
                             coordinator orders by name: credit there could deadlock it)
@@ -34,11 +36,13 @@ from typing import Any
 
 from commsched.config import SchedulerConfig
 from commsched.errors import CommschedError, OrderAgreementError
+from commsched.partition import piece_bounds
+from commsched.plan import Plan as CommPlan
 from commsched.protocol import Decision, EndOfStep, Lost, Message, Plan
 
-__all__ = ["DispatchPolicy", "FifoPolicy", "FollowerPolicy", "ImmediatePolicy", "LeaderPolicy",
-           "PriorityPolicy", "StaticFollower", "StaticLeader", "Unstarted", "agrees_on_order", "fits", "make_policy",
-           "replay_policy"]
+__all__ = ["DispatchPolicy", "FifoPolicy", "FollowerPolicy", "ImmediatePolicy", "LeaderPolicy", "PlannedPolicy",
+           "PriorityPolicy", "StaticFollower", "StaticLeader", "Unstarted", "agrees_on_order", "fits", "load_plan",
+           "make_policy", "replay_policy"]
 
 
 def fits(in_flight: int, nbytes: int, credit: int) -> bool:
@@ -163,6 +167,15 @@ class DispatchPolicy:
 
     def admit(self, step: int, task_name: str, n_pieces: int) -> None:
         """A task is submitted in ``step``; raise if this policy cannot take it."""
+
+    def bounds_for(self, task_name: str, numel: int, element_size: int) -> list[tuple[int, int]] | None:
+        """The pieces of task ``task_name`` (element ranges), or None: cut at the config's
+        ``partition_bytes``. Raise if this policy cannot take such a task. Pure; any thread."""
+        return None
+
+    def algorithm_of(self, piece_name: str) -> str:
+        """How the backend should all-reduce that piece (:attr:`commsched.task.Piece.algorithm`)."""
+        return "ring"
 
     def add(self, piece: Any) -> None:
         """``piece`` is ready on this rank (also recorded in :class:`Unstarted`)."""
@@ -446,22 +459,160 @@ class StaticFollower(_StaticMixin, FollowerPolicy):
         return self.plan is not None
 
 
+class PlannedPolicy(DispatchPolicy):
+    """``ordering="planned"``: the plan's piece order, within the plan's credit, on every rank from step 0.
+
+    Every rank walks :attr:`commsched.plan.Plan.pieces` in order, step after step: the
+    next piece goes once it is ready here and fits the credit (or goes alone), so every
+    rank issues the same sequence with no message at all (the plan's digest was compared
+    with rank 0's before the first step). Each task is cut at its plan group's piece size
+    (:meth:`bounds_for`) and each piece carries the plan's algorithm (:meth:`algorithm_of`).
+
+    Pure, like the other policies: :meth:`add` keeps the ready pieces itself, so a
+    simulator can drive it with ``add``/``next`` alone (an empty :class:`Unstarted` is
+    enough; the runtime's is consulted only for tasks reserved without data yet).
+
+    Refused, as :class:`~commsched.errors.OrderAgreementError` naming the tensor: a task
+    that is not a group of the plan, or of another size; a step that ends without a
+    planned task.
+
+    Args:
+        plan: the :class:`commsched.plan.Plan` to execute.
+        credit_bytes: the most bytes in flight; default the plan's ``credit_bytes``.
+    """
+
+    mode = "planned"
+
+    def __init__(self, plan: CommPlan, credit_bytes: int | None = None) -> None:
+        if not isinstance(plan, CommPlan):
+            raise TypeError(f"PlannedPolicy needs a commsched.plan.Plan, got {type(plan).__name__}; load one with "
+                            "commsched.plan.Plan.from_json(path)")
+        super().__init__(plan.credit_bytes if credit_bytes is None else int(credit_bytes))
+        self.plan = plan
+        self.pieces: tuple[str, ...] = plan.piece_names
+        self._tasks = {p.task for p in plan.pieces}
+        self._bounds: dict[str, tuple[tuple[int, int], list[tuple[int, int]]]] = {}
+        self._ready: dict[tuple[int, str], Any] = {}
+        self._pos = 0
+        self._step = 0
+
+    # -------------------------------------------------------------- checks
+    def bounds_for(self, task_name: str, numel: int, element_size: int) -> list[tuple[int, int]]:
+        size = (int(numel), int(element_size))
+        cached = self._bounds.get(task_name)
+        if cached is not None and cached[0] == size:
+            return cached[1]
+        group = self._group(task_name)
+        want = (self.plan.group_numel(group), self.plan.group_element_size(group))
+        if size != want:
+            raise OrderAgreementError(
+                f"tensor {task_name!r} has {size[0]} elements of {size[1]} B but the plan has {want[0]} of "
+                f"{want[1]} B; make a plan for this model (`commsched plan`)")
+        bounds = piece_bounds(want[0], want[1], group.partition_bytes)
+        self._bounds[task_name] = (size, bounds)
+        return bounds
+
+    def _group(self, task_name: str) -> Any:
+        try:
+            return self.plan.group(task_name)
+        except KeyError:
+            names = [g.name for g in self.plan.groups]
+            raise OrderAgreementError(
+                f"tensor {task_name!r} is not in the plan (its groups: {names[:6]}{' ...' if len(names) > 6 else ''}"
+                "); ordering='planned' reduces exactly the plan's gradients: make a plan for this model "
+                "(`commsched plan`)") from None
+
+    def admit(self, step: int, task_name: str, n_pieces: int) -> None:
+        group = self._group(task_name)
+        planned = len(self.plan.bounds(group))
+        if n_pieces != planned:
+            raise OrderAgreementError(
+                f"tensor {task_name!r} was cut into {n_pieces} pieces but the plan has {planned}; submit planned "
+                "tensors whole (the plan cuts them)")
+
+    def step_ended(self, step: int, names: set[str]) -> None:
+        missing = sorted(self._tasks - names)
+        if missing:
+            raise self._missing(step, missing)
+
+    @staticmethod
+    def _missing(step: int, missing: list[str]) -> OrderAgreementError:
+        return OrderAgreementError(
+            f"step {step} communicated no gradient for {missing[:10]} although the plan expects one every "
+            "step (an unused parameter?); every planned gradient must be produced every step, on every rank "
+            "(use ordering='dynamic' for models whose set of gradients changes)")
+
+    def algorithm_of(self, piece_name: str) -> str:
+        return self.plan.algorithm_of(piece_name)
+
+    # ---------------------------------------------------------------- walk
+    def add(self, piece: Any) -> None:
+        self._ready[(piece.task.step, piece.name)] = piece
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        if not self.pieces:
+            return None
+        name = self.pieces[self._pos]
+        piece = self._ready.get((self._step, name))
+        if piece is None:
+            if step > self._step and not unstarted.is_waiting(self._step, _task_of(name)):
+                raise self._missing(self._step, [_task_of(name)])  # that step ended without this tensor
+            return None
+        if not fits(in_flight, piece.nbytes, self.credit_bytes):
+            return None
+        del self._ready[(self._step, name)]
+        self._pos += 1
+        if self._pos == len(self.pieces):
+            self._pos = 0
+            self._step += 1
+        return piece
+
+    def queued_keys(self) -> list[tuple]:
+        """The keys of the ready pieces not started yet (for observers)."""
+        return [p.key for p in self._ready.values()]
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(step, index into plan.pieces)`` of the next piece to issue."""
+        return self._step, self._pos
+
+
 def agrees_on_order(config: SchedulerConfig, world_size: int, negotiates_order: bool) -> bool:
     """Whether this ordering needs rank 0's decisions carried to the others through a store."""
     return world_size > 1 and not negotiates_order and config.ordering in ("dynamic", "static")
 
 
-def replay_policy(ordering: str, credit_bytes: int) -> DispatchPolicy:
+def replay_policy(ordering: str, credit_bytes: int, plan: CommPlan | None = None) -> DispatchPolicy:
     """The rule of the deciding rank alone, for an offline replay or a simulator: ready order
-    for ``fifo``, priority order otherwise (``static`` replays like ``dynamic``)."""
+    for ``fifo``, priority order for ``dynamic``/``static`` (``static`` replays like ``dynamic``),
+    ``plan``'s order for ``planned`` (:class:`PlannedPolicy`; ``credit_bytes`` None: the plan's)."""
+    if ordering == "planned":
+        if plan is None:
+            raise ValueError("replay_policy('planned', ...) needs plan=<a commsched.plan.Plan>")
+        return PlannedPolicy(plan, credit_bytes)
     return FifoPolicy(credit_bytes) if ordering == "fifo" else PriorityPolicy(credit_bytes)
+
+
+def load_plan(config: SchedulerConfig) -> CommPlan:
+    """``config.plan`` as a :class:`commsched.plan.Plan` (read from its JSON if a path)."""
+    plan = config.plan
+    if plan is None:
+        raise ValueError("ordering='planned' needs a plan here: pass SchedulerConfig(ordering='planned', "
+                         "plan='plan.json') (make one with `commsched plan`); planning in-process from the first "
+                         "steps is done by the plugins' optimizers, not by a bare Scheduler")
+    return plan if isinstance(plan, CommPlan) else CommPlan.from_json(plan)
 
 
 def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_order: bool) -> DispatchPolicy:
     """The policy of this rank: the one place where ``ordering`` is looked at."""
     credit = config.credit_bytes
-    if config.ordering not in ("dynamic", "static", "fifo"):
+    if config.ordering not in ("dynamic", "static", "fifo", "planned"):
         raise ValueError(f"ordering={config.ordering!r} has no dispatch policy")
+    if config.ordering == "planned":  # the plan's order on every rank (one rank: the same), no agreement needed
+        plan = load_plan(config)
+        if negotiates_order and world_size > 1 and rank != 0:
+            return ImmediatePolicy()
+        return PlannedPolicy(plan)
     if world_size <= 1:
         return PriorityPolicy(credit)
     if negotiates_order and config.ordering != "fifo":

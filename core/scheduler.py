@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 from commsched import failures
 from commsched.config import SchedulerConfig
-from commsched.errors import CommschedTimeout, SchedulerClosed
+from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable, close_at_exit, join_threads
 from commsched.partition import TensorOps
 from commsched.policy import make_policy
@@ -134,7 +134,11 @@ class Scheduler(Closeable):
         raises fails the future and the next call. ``ready`` becomes ``task.ready`` (:class:`Task`).
         """
         check_name(name)
-        bounds = self._state.bounds_of(tensor)
+        try:
+            bounds = self._state.bounds_of(name, tensor)
+        except CommschedError as exc:  # the plan has no place for it: every rank must hear of it
+            self._fail(exc)
+            raise
         with self._lock:
             self._check_usable()
             task = self._state.submit(name, priority, on_done, ready, tensor, bounds)
@@ -154,10 +158,11 @@ class Scheduler(Closeable):
             self._check_usable()
             return Ticket(self, self._state.reserve(name, priority, on_done))
 
-    def bounds(self, numel: int, element_size: int) -> list[tuple[int, int]]:
-        """The ``[start, stop)`` element ranges :meth:`submit` cuts a tensor of that size into, computed
-        once per size: a plugin that names pieces in advance (MXNet's sub-keys) agrees with it."""
-        return self._state.bounds(numel, element_size)
+    def bounds(self, numel: int, element_size: int, name: str | None = None) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` element ranges :meth:`submit` cuts a tensor of that size (called ``name``)
+        into, computed once per size: a plugin that names pieces in advance (MXNet's sub-keys) agrees
+        with it. Under ``ordering="planned"`` pass ``name``: the plan cuts each group at its own size."""
+        return self._state.bounds(numel, element_size, name)
 
     def mark_step(self) -> int:
         """End the current step (all its tensors were submitted); returns the new step. An empty step
@@ -235,9 +240,13 @@ class Scheduler(Closeable):
         """Pieces and bytes started, tasks, steps, the most bytes in flight, settings; per step: pieces,
         bytes, start order."""
         with self._lock:
-            return dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
-                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
-                        ordering=self.config.ordering)
+            out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
+                       credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
+                       ordering=self.config.ordering)
+            plan = getattr(self._state.policy, "plan", None)
+            if plan is not None and hasattr(plan, "digest"):  # planned: the plan's credit and digest
+                out.update(credit_bytes=plan.credit_bytes, plan_digest=plan.digest)
+            return out
 
     def close(self, timeout: float | None = None) -> None:
         """Finish pending work (at most ``timeout`` seconds), stop and join every thread, close the
@@ -289,7 +298,7 @@ class Scheduler(Closeable):
             if self._closed or self._state.error is not None:
                 return  # its future has failed already
             try:
-                self._state.arrived(task, tensor, self._state.bounds_of(tensor))
+                self._state.arrived(task, tensor, self._state.bounds_of(task.name, tensor))
             except BaseException as exc:  # refused (bad data, the plan): fail, never raise on an engine thread
                 self._fail_locked(failures.refused(task.name, exc))
             self._wake_for_new_work()

@@ -64,11 +64,17 @@ class SchedulerState:
         if error is not None:
             raise error
 
-    def bounds_of(self, tensor: Any) -> Bounds:
-        return self.bounds(int(self.ops.numel(tensor)), int(self.ops.element_size(tensor)))
+    def bounds_of(self, name: str, tensor: Any) -> Bounds:
+        return self.bounds(int(self.ops.numel(tensor)), int(self.ops.element_size(tensor)), name)
 
-    def bounds(self, numel: int, element_size: int) -> Bounds:
-        """The pieces of a tensor of that size (computed once per size)."""
+    def bounds(self, numel: int, element_size: int, name: str | None = None) -> Bounds:
+        """The pieces of task ``name``, a tensor of that size: the policy's cut where it has one
+        (``planned``: the plan group's piece size; raises for a tensor it cannot take), else
+        ``partition_bytes`` (computed once per size)."""
+        if name is not None:
+            planned = self.policy.bounds_for(name, numel, element_size)
+            if planned is not None:
+                return planned
         key = (int(numel), int(element_size))
         if key not in self._bounds:
             self._bounds[key] = piece_bounds(key[0], key[1], self.partition_bytes)
@@ -114,8 +120,11 @@ class SchedulerState:
         tensor is complete at once). Raises if the policy refuses the task."""
         self.policy.admit(task.step, task.name, len(bounds))
         itemsize = int(self.ops.element_size(tensor))
-        pieces = [Piece(task, i, lo, hi, (hi - lo) * itemsize, self.ops.flat_view(tensor, lo, hi), f"{task.name}#{i}")
-                  for i, (lo, hi) in enumerate(bounds)]
+        pieces = []
+        for i, (lo, hi) in enumerate(bounds):
+            name = f"{task.name}#{i}"
+            pieces.append(Piece(task, i, lo, hi, (hi - lo) * itemsize, self.ops.flat_view(tensor, lo, hi), name,
+                                algorithm=self.policy.algorithm_of(name)))
         for piece in pieces:
             self.unstarted.add(piece)
         task.tensor, task.pieces, task.remaining = tensor, pieces, len(pieces)

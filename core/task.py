@@ -64,7 +64,13 @@ class Task:
 
 @dataclass(eq=False)
 class Piece:
-    """A contiguous slice ``[start, stop)`` of a task's flattened tensor, as a zero-copy ``view``."""
+    """A contiguous slice ``[start, stop)`` of a task's flattened tensor, as a zero-copy ``view``.
+
+    ``algorithm`` is how the backend should all-reduce it: ``"ring"`` (the engine's own
+    all-reduce, the default) or ``"hierarchical"`` (intra-node reduce-scatter, inter-node
+    all-reduce of the shard, intra-node all-gather; set by ``ordering="planned"``). A backend
+    without a two-level algorithm treats every piece as ``"ring"``.
+    """
 
     task: Task
     index: int
@@ -75,6 +81,7 @@ class Piece:
     name: str
     done: bool = False
     issued_us: float = 0.0
+    algorithm: str = "ring"
 
     @property
     def key(self) -> tuple[int, int, int, int]:
