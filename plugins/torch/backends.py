@@ -1,7 +1,9 @@
 """Collective engines for the torch plugin: torch.distributed (default) and Horovod.
 
 * :class:`TorchBackend` runs each piece as an asynchronous ``torch.distributed.all_reduce``
-  on a process group of its own (gloo on CPU, NCCL on GPU); :class:`C10dStore` adapts
+  on a process group of its own (gloo on CPU, NCCL on GPU), or, for a piece whose
+  ``algorithm`` is ``"hierarchical"`` once :meth:`TorchBackend.use_hierarchical` was
+  called, by the two-level algorithm of ``hierarchical.py``; :class:`C10dStore` adapts
   the process group's rendezvous store to :class:`commsched.store.Store` for order agreement.
 * :class:`HorovodBackend` (``backend="horovod"``) runs each piece as
   ``hvd.allreduce_async_``. Horovod matches operations across ranks by name through
@@ -30,6 +32,7 @@ import torch.distributed as dist
 
 from commsched.errors import CommschedError, HorovodUnavailable
 from commsched.plugins.torch.cuda import CudaTask, DeviceStreams
+from commsched.plugins.torch.hierarchical import HierarchicalAllReduce
 
 __all__ = ["BACKENDS", "C10dStore", "HorovodBackend", "TorchBackend", "default_store", "make_backend",
            "resolve_backend"]
@@ -143,6 +146,28 @@ class TorchBackend:
         self._cv = threading.Condition()
         self._closing = False
         self._watcher: Optional[threading.Thread] = None
+        self._hierarchical: Optional[HierarchicalAllReduce] = None
+        self._every_piece_hierarchical = False
+
+    def use_hierarchical(self, nodes: int, ranks_per_node: int, *, every_piece: bool = False) -> None:
+        """Reduce pieces whose ``algorithm`` is ``"hierarchical"`` (every piece with ``every_piece``)
+        by the two-level algorithm on ``nodes`` x ``ranks_per_node`` node-major ranks
+        (:class:`commsched.plugins.torch.hierarchical.HierarchicalAllReduce`). Creates process
+        groups: every rank must call it, with the same arguments, before the first piece. On one
+        node or one rank per node, or on CUDA tensors (the stream path is unchanged), pieces take
+        the plain all-reduce."""
+        if dist.get_world_size(self.group) != dist.get_world_size():
+            raise ValueError("the hierarchical all-reduce runs on the default group's ranks; leave "
+                             "process_group=None to use it")
+        if self._hierarchical is not None:
+            raise ValueError("use_hierarchical() was called twice on this backend")
+        self._hierarchical = HierarchicalAllReduce(nodes, ranks_per_node, timeout_s=self.timeout_s)
+        self._every_piece_hierarchical = bool(every_piece)
+
+    @property
+    def hierarchical(self) -> Optional[HierarchicalAllReduce]:
+        """The two-level all-reduce in use (see :meth:`use_hierarchical`), or None."""
+        return self._hierarchical
 
     def streams_for(self, tensor: torch.Tensor) -> Optional[DeviceStreams]:
         """The :class:`DeviceStreams` for ``tensor`` if it takes the stream/event path (CUDA, or
@@ -166,6 +191,11 @@ class TorchBackend:
         record = piece.task.ready
         if isinstance(record, CudaTask):
             self._start_on_stream(piece, record, done)
+            return
+        two_level = self._hierarchical
+        if two_level is not None and not two_level.flat and (
+                self._every_piece_hierarchical or getattr(piece, "algorithm", "ring") == "hierarchical"):
+            two_level.start(view, done, piece.name)
             return
         work = dist.all_reduce(view, group=self.group, async_op=True)
 
@@ -271,6 +301,8 @@ class TorchBackend:
         watcher = self._watcher
         if watcher is not None and watcher is not threading.current_thread():
             watcher.join(self.timeout_s + 1.0)
+        if self._hierarchical is not None:
+            self._hierarchical.close()
         group, self.group = self.group, None
         if group is not None and self._owns_group and dist.is_initialized():
             dist.destroy_process_group(group)
@@ -343,6 +375,10 @@ class HorovodBackend:
         """Overwrite ``tensor`` with rank ``root``'s, in place (``hvd.broadcast_``)."""
         self._hvd.broadcast_(tensor, root, name=f"commsched.broadcast.{self._broadcasts}")
         self._broadcasts += 1
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj`` (picklable), in rank order (``hvd.allgather_object``)."""
+        return self._hvd.allgather_object(obj, name="commsched.all_gather_object")
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """Rank ``root``'s ``obj`` (picklable), on every rank."""

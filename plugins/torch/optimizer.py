@@ -42,6 +42,8 @@ import torch.distributed as dist
 from commsched.config import SchedulerConfig, check_config, read_environment
 from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable
+from commsched.plan import Plan, PlannedTensor
+from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
@@ -158,7 +160,7 @@ class _ParamState:
     """Bookkeeping for one parameter."""
 
     __slots__ = ("name", "param", "group", "priority", "sub", "future", "grad", "copy_back", "passes", "hyper",
-                 "cuda")
+                 "cuda", "fusion")
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: dict, priority: int) -> None:
         self.name = name
@@ -172,6 +174,43 @@ class _ParamState:
         self.passes = 0
         self.hyper: Optional[dict] = None  # the group's hyperparameters when step() ended this gradient's step
         self.cuda: Optional[CudaTask] = None  # the stream/event record of the gradient in flight (CUDA)
+        self.fusion: Optional["_Fusion"] = None  # the group this gradient is reduced in, if fused with others
+
+
+class _Fusion:
+    """Several small gradients reduced as one task over one flat buffer (a plan's fused group; the
+    same mechanism serves any list of groups of parameter names).
+
+    Each member's post-accumulate hook hands its gradient over; when the last member of the
+    step is in, all are copied into the buffer (preallocated at first use, their one dtype)
+    and the buffer is submitted as task ``name`` with the most urgent member's priority.
+    Every member's future is the group's: once reduced (and averaged), a member's gradient
+    is its slice of the buffer, applied by its module's pre-hook (cross-iteration) or copied
+    back into ``p.grad`` (synchronous), exactly as an unfused one. The buffer is reused each
+    step; no member's gradient can arrive before its previous update ran (the
+    ``new gradient before its previous one was applied`` check covers every member).
+    """
+
+    __slots__ = ("name", "members", "bounds", "numel", "buffer", "arrived")
+
+    def __init__(self, name: str, members: list[_ParamState]) -> None:
+        dtypes = {s.param.dtype for s in members}
+        devices = {s.param.device for s in members}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(f"fusion group {name!r} mixes dtypes {sorted(map(str, dtypes))} or devices "
+                             f"{sorted(map(str, devices))}; only gradients of one dtype on one device share a buffer")
+        self.name, self.members = name, members
+        self.bounds: list[tuple[int, int]] = []
+        offset = 0
+        for s in members:
+            self.bounds.append((offset, offset + s.param.numel()))
+            offset += s.param.numel()
+        self.numel = offset
+        self.buffer: Optional[torch.Tensor] = None
+        self.arrived: dict[int, torch.Tensor] = {}  # id(state) -> its gradient this step
+
+    def missing(self) -> list[str]:
+        return [s.name for s in self.members if id(s) not in self.arrived]
 
 
 class DistributedOptimizer(torch.optim.Optimizer, Closeable):
@@ -316,12 +355,18 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self.backend = backend
         self.rank = self._backend.rank
         self.world_size = self._backend.world_size
+        self._fusions: list[_Fusion] = []
+        self.plan: Optional[Plan] = None
         try:
             store = None
-            if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order):
-                store = default_store()
-            self._scheduler = Scheduler(self._backend, TorchOps(), self.config, store=store,
-                                        key_prefix=f"commsched/opt{next(_instances)}")
+            planned = self.config.ordering == "planned"
+            if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order) or (
+                    planned and self.world_size > 1 and not self._backend.negotiates_order):
+                store = default_store()  # planned: no decisions travel, but the plan check and aborts do
+            prefix = f"commsched/opt{next(_instances)}"
+            if planned:
+                self._start_plan(store, prefix)
+            self._scheduler = Scheduler(self._backend, TorchOps(), self.config, store=store, key_prefix=prefix)
         except BaseException:
             self._backend.close()
             raise
@@ -333,6 +378,51 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         except BaseException:
             self._abandon()
             raise
+
+    def _start_plan(self, store: Any, prefix: str) -> None:
+        """``ordering="planned"``: check the plan against this model and world, agree on it with every
+        rank (``PlanMismatch`` on every rank otherwise, before any step), then fuse its groups and
+        set up its algorithms. Every rank runs this at the same point (it may create process groups)."""
+        source = self.config.plan
+        if source is None:
+            raise ValueError("ordering='planned' needs plan=<path of a plan JSON> (make one with `commsched plan "
+                             "--profile P --topology T --json plan.json`; profile with opt.profile())")
+        entries = [PlannedTensor(s.name, s.param.numel(), s.param.element_size(), tuple(s.param.shape),
+                                 str(s.param.dtype).removeprefix("torch.")) for s in self._params]
+        try:
+            found: Plan | BaseException = check_plan(source, entries, self.world_size)
+        except (ValueError, OSError) as exc:  # PlanMismatch is a ValueError too
+            found = exc
+        gather = None
+        if self.world_size > 1:
+            if store is not None:
+                gather = store_gather(store, prefix, self.rank, self.world_size, self.config.timeout_s)
+            else:  # an engine that negotiates order (Horovod): its own object all-gather
+                gather = self._backend.all_gather_object
+        plan = agree_on_plan(found, rank=self.rank, world_size=self.world_size, gather=gather, source=source)
+        self.plan = plan
+        self.config = dataclasses.replace(self.config, plan=plan, credit_bytes=plan.credit_bytes)
+        self._fuse([(g.name, list(g.tensors)) for g in plan.groups if g.fused])
+        if any(p.algorithm == "hierarchical" for p in plan.pieces) and hasattr(self._backend, "use_hierarchical"):
+            self._backend.use_hierarchical(plan.nodes, plan.ranks_per_node)
+
+    def _fuse(self, groups: list[tuple[str, list[str]]]) -> None:
+        """Reduce each ``(task name, [parameter names])`` group as one task over a flat buffer
+        (:class:`_Fusion`). A parameter may be in one group only; names must be this optimizer's."""
+        by_name = {s.name: s for s in self._params}
+        for name, members in groups:
+            unknown = [m for m in members if m not in by_name]
+            if unknown:
+                raise ValueError(f"fusion group {name!r} names {unknown[:5]}, which are not parameters with a "
+                                 "gradient in this optimizer")
+            states = [by_name[m] for m in members]
+            taken = [s.name for s in states if s.fusion is not None]
+            if taken:
+                raise ValueError(f"parameters {taken[:5]} are in two fusion groups")
+            fusion = _Fusion(name, states)
+            for s in states:
+                s.fusion = fusion
+            self._fusions.append(fusion)
 
     def _abandon(self) -> None:
         """Undo a constructor that failed after the threads started: remove the hooks,
@@ -430,6 +520,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             raise CommschedError(
                 f"parameter {state.name!r} got a new gradient before its previous one was applied; this happens "
                 "when a parameter is used outside its module's forward. Call opt.synchronize() before that backward")
+        if state.fusion is not None:
+            self._submit_fused(state, grad)
+            return
         if self._cross:
             state.param.grad = None  # the scheduler owns this gradient until the update
         buffer = grad if grad.is_contiguous() else grad.contiguous()
@@ -447,6 +540,45 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                           self._divisor() if self._op == "average" else None)
         state.future = self._scheduler.submit(state.name, buffer, state.priority, on_done=self._after_reduce,
                                               ready=ready)
+
+    def _submit_fused(self, state: _ParamState, grad: torch.Tensor) -> None:
+        """One member of a fusion group is ready; the last one copies all into the buffer and submits it."""
+        fusion = state.fusion
+        if id(state) in fusion.arrived:
+            raise CommschedError(f"parameter {state.name!r} got a second gradient in one step before the rest of "
+                                 f"its fusion group {fusion.name!r} ({fusion.missing()[:5]} missing); call "
+                                 "opt.step() between backward passes")
+        fusion.arrived[id(state)] = grad
+        if self._cross:
+            state.param.grad = None  # the scheduler owns this gradient until the update
+        if len(fusion.arrived) < len(fusion.members):
+            return
+        busy = [s.name for s in fusion.members if s.future is not None]
+        if busy:
+            raise CommschedError(f"fusion group {fusion.name!r}: parameters {busy[:5]} got a new gradient before "
+                                 "their previous one was applied; call opt.synchronize() before that backward")
+        if fusion.buffer is None:
+            fusion.buffer = torch.empty(fusion.numel, dtype=grad.dtype, device=grad.device)
+        buffer = fusion.buffer
+        arrived, fusion.arrived = fusion.arrived, {}
+        with torch.no_grad():
+            for s, (lo, hi) in zip(fusion.members, fusion.bounds, strict=True):
+                buffer[lo:hi].copy_(arrived[id(s)].reshape(-1))
+            if self._predivide != 1.0:
+                buffer.div_(self._predivide)
+        ready = None
+        streams_for = getattr(self._backend, "streams_for", None)
+        streams = streams_for(buffer) if streams_for is not None else None
+        if streams is not None:
+            ready = CudaTask(streams, streams.record_ready(buffer), self._divisor() if self._op == "average" else None)
+        for s, (lo, hi) in zip(fusion.members, fusion.bounds, strict=True):
+            s.grad = buffer[lo:hi].view_as(s.param)
+            s.copy_back = None if self._cross else arrived[id(s)]
+            s.cuda = ready
+        future = self._scheduler.submit(fusion.name, buffer, min(s.priority for s in fusion.members),
+                                        on_done=self._after_reduce, ready=ready)
+        for s in fusion.members:
+            s.future = future
 
     def _divisor(self) -> float:
         """What the sum is divided by for an average (Horovod's predivide already took ``f``)."""
@@ -597,6 +729,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             return self.optimizer.step(closure)
         self._backward_seen = False
         loss = None
+        partial = [f for f in self._fusions if f.arrived]
+        if partial:
+            raise CommschedError(
+                f"step() ended a step in which fusion group {partial[0].name!r} got gradients for only part of its "
+                f"parameters ({partial[0].missing()[:5]} had none); every parameter of a planned group must get a "
+                "gradient every step, on every rank (use ordering='dynamic' for models with unused parameters)")
         if self._recording:
             self._finish_recording()
         self._scheduler.mark_step()
@@ -702,6 +840,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             "ordering": self.config.ordering,
             "priorities": {s.name: s.priority for s in sorted(self._params, key=lambda s: s.priority)},
             "scheduler": sched,
+            **({"plan": {"digest": self.plan.digest, "groups": len(self.plan.groups), "pieces": len(self.plan.pieces),
+                         "fused_groups": len(self._fusions), "credit_bytes": self.plan.credit_bytes,
+                         "nodes": self.plan.nodes, "ranks_per_node": self.plan.ranks_per_node,
+                         "predicted": dict(self.plan.predicted)}} if self.plan is not None else {}),
         }
 
     def profile(self) -> Profile:

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import commsched
 from commsched.partition import piece_bounds
+from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor, fused_name
 from commsched.plugins.torch import DistributedOptimizer
 
 OPTIMIZERS = {
@@ -98,7 +99,41 @@ TIMEOUT_S = 20  # the scheduler's timeout_s; tests bound failure times by it
 SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynamic", partition=256, credit=1024,
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
-                         die_rank=-1, die_step=-1, desync_init=False)
+                         die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1)
+PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
+
+
+def test_plan(model, sc: dict, rank: int, world: int) -> Plan:
+    """A plan for the MLP as a planner would write one: the small tensors fused in two groups, each
+    group cut at its own piece size, pieces interleaved (a fused group's pieces out of index order),
+    ``algorithm`` for every piece on ``nodes`` x ``world // nodes``. ``sc['plan']``: ``"fused"``;
+    ``"other_model"`` (made for a model whose layers.2.weight is 32x31); ``"differs_on_rank1"``
+    (rank 1 has another credit)."""
+    params = dict(model.named_parameters())
+    entries = [PlannedTensor(n, p.numel(), p.element_size(), tuple(p.shape), str(p.dtype).removeprefix("torch."))
+               for n, p in params.items()]
+    if sc["plan"] == "other_model":
+        entries = [PlannedTensor(t.name, 32 * 31, t.element_size, (32, 31), t.dtype) if t.name == "layers.2.weight"
+                   else t for t in entries]
+    low = ("layers.0.bias", "layers.2.bias")
+    head = ("layers.4.weight", "layers.4.bias")
+    # the head's pieces have 65 elements: padded by the two-level algorithm on 2 ranks per node
+    groups = (PlanGroup("layers.0.weight", ("layers.0.weight",), 512), PlanGroup(fused_name(low), low, 4096),
+              PlanGroup("layers.2.weight", ("layers.2.weight",), 1024), PlanGroup(fused_name(head), head, 260))
+    algorithm = "hierarchical" if sc["nodes"] > 1 else "ring"
+    by = {t.name: t for t in entries}
+
+    def n_pieces(g):
+        return len(piece_bounds(sum(by[t].numel for t in g.tensors), by[g.tensors[0]].element_size,
+                                g.partition_bytes))
+    counts = {g.name: n_pieces(g) for g in groups}
+    # backward-ish interleaving: the head's pieces out of index order, then layer 2, then layer 0 and its bias
+    order = ([(fused_name(head), i) for i in reversed(range(counts[fused_name(head)]))]
+             + [("layers.2.weight", i) for i in range(counts["layers.2.weight"])]
+             + [(fused_name(low), 0)] + [("layers.0.weight", i) for i in range(counts["layers.0.weight"])])
+    credit = sc["credit"] * (2 if sc["plan"] == "differs_on_rank1" and rank == 1 else 1)
+    return Plan(model=tuple(entries), groups=groups, pieces=tuple(PlannedPiece(t, i, algorithm) for t, i in order),
+                credit_bytes=credit, nodes=sc["nodes"], ranks_per_node=world // sc["nodes"])
 
 
 def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
@@ -112,12 +147,20 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                 p.add_(rank + 1.0)
     if sc["model"] == "branchy" and sc["unused_on_rank"] == rank:
         model.use_unused = ref.use_unused = True
+    plan = plan_path = None
+    if sc["plan"]:
+        plan = test_plan(model, sc, rank, world)
+        plan_path = os.path.join(PLAN_DIR, f"plan-{sc['plan']}-rank{rank}.json")
+        plan.to_json(plan_path)
     config = commsched.SchedulerConfig(partition_bytes=sc["partition"], credit_bytes=sc["credit"],
-                                       ordering=sc["ordering"], cross_iteration=bool(sc["cross"]),
-                                       timeout_s=TIMEOUT_S, timeline=sc["timeline"])
-    opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
-                               config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"])
+                                       ordering="planned" if plan else sc["ordering"], plan=plan_path,
+                                       cross_iteration=bool(sc["cross"]), timeout_s=TIMEOUT_S, timeline=sc["timeline"])
+    started = time.monotonic()
+    opt = None
     try:
+        opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
+                                   config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"])
+        result["hierarchical_threads"] = sum(t.name.startswith("commsched-hier-") for t in threading.enumerate())
         if sc["desync_init"]:  # the reference starts from rank 0's weights, as commsched broadcast them
             ref.load_state_dict(model.state_dict())
         ref_opt = OPTIMIZERS[sc["optimizer"]](list(ref.parameters()))
@@ -171,6 +214,9 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         # reference's grads stay; commsched's may be None here, taken over by cross-iteration)
         expected_pieces = {name: len(piece_bounds(q.numel(), q.element_size(), sc["partition"]))
                            for name, q in ref.named_parameters() if q.grad is not None}
+        if plan is not None:  # the plan cuts each group at its own size
+            expected_pieces = {g.name: len(plan.bounds(g)) for g in plan.groups}
+            result["plan_order"] = list(plan.piece_names)
         digest = hashlib.sha256()
         for p in model.parameters():
             digest.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # bfloat16 too
@@ -181,13 +227,16 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                       max_in_flight_bytes=stats["scheduler"]["max_in_flight_bytes"])
     except Exception as exc:  # reported to the test, which asserts on it
         result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error_type"] = type(exc).__name__
+        result["error_after_start_s"] = time.monotonic() - started
         result["error_is_commsched"] = isinstance(exc, commsched.CommschedError)
         if "die_step_started" in result:  # from the step in which the other rank died
             result["error_after_s"] = time.monotonic() - result["die_step_started"]
             result["timeout_s"] = TIMEOUT_S
     finally:
         try:
-            opt.close()
+            if opt is not None:
+                opt.close()
         except Exception as exc:
             result.setdefault("error", f"{type(exc).__name__}: {exc}")
     result["threads_after_close"] = [t.name for t in threading.enumerate() if t.name.startswith("commsched")]
@@ -199,6 +248,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenario", action="append", default=[], help="JSON dict of SCENARIO_DEFAULTS overrides")
     args = ap.parse_args()
+    global PLAN_DIR
+    PLAN_DIR = os.path.dirname(os.path.abspath(args.out))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -118,3 +118,61 @@ def test_a_rank_that_dies_mid_training_makes_the_others_fail_clearly_not_hang(ra
                     r"failed on rank 0: ", survivor["error"]), survivor["error"]
     # from the step in which rank 1 died: within the scheduler's timeout_s, plus the 5 s the issue allows
     assert survivor["error_after_s"] < survivor["timeout_s"] + 5, survivor
+
+
+# ------------------------------------------------------------------ ordering="planned"
+def check_planned_order(results: list[list[dict]]) -> None:
+    """Every rank issued exactly the plan's piece order, every step (the scheduler's per-step record)."""
+    for rank_results in results:
+        for r in rank_results:
+            assert r["order"], r["scenario"]
+            for step, seen in r["order"].items():
+                assert seen["order"] == r["plan_order"], f"rank {r['rank']} step {step} {r['scenario']}"
+
+
+@pytest.mark.timeout(150)
+def test_planned_with_fused_groups_and_per_group_piece_sizes_is_bitwise_on_two_ranks(ranks):
+    items = [{"plan": "fused", "optimizer": "sgd_momentum", "steps": 5},
+             {"plan": "fused", "optimizer": "adam", "cross": 0, "steps": 4},
+             {"plan": "fused", "optimizer": "adam", "accum": 2, "steps": 3}]
+    results = ranks(2, *scenarios(*items), timeout=130)
+    check_all(results, exact=True)
+    check_planned_order(results)
+    for r in results[0]:
+        assert r["stats"]["ordering"] == "planned"
+        assert r["plan_order"][0] == "fused[layers.4.weight..layers.4.bias](2)#2"  # out of index order
+    assert results[0][0]["stats"]["plan"]["fused_groups"] == 2
+
+
+@pytest.mark.timeout(150)
+def test_planned_hierarchical_pieces_on_two_nodes_of_two_ranks_allclose_to_the_reference(ranks):
+    items = [{"plan": "fused", "nodes": 2, "optimizer": "adam", "steps": 4},
+             {"plan": "fused", "nodes": 2, "optimizer": "sgd_momentum", "cross": 0, "steps": 3}]
+    results = ranks(4, *scenarios(*items), timeout=130)
+    check_all(results, exact=False)
+    check_planned_order(results)
+    for rank_results in results:
+        assert rank_results[0]["stats"]["plan"]["nodes"] == 2
+        assert rank_results[0]["hierarchical_threads"] == 3  # the three-phase pipeline ran here
+        assert rank_results[0]["threads_after_close"] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_for_another_model_fails_on_every_rank_naming_the_parameter_before_any_step(ranks):
+    results = ranks(2, *scenarios({"plan": "other_model", "steps": 3}), timeout=50)
+    for rank_results in results:
+        r = rank_results[0]
+        assert r.get("error_type") == "PlanMismatch", r.get("error")
+        assert "layers.2.weight: plan 992 elements" in r["error"] and "shape [32, 31]" in r["error"], r["error"]
+        assert r["error_after_start_s"] < 10, r["error_after_start_s"]
+        assert r["threads_after_close"] == []
+
+
+@pytest.mark.timeout(60)
+def test_ranks_with_different_plans_fail_on_every_rank_naming_the_difference_without_hanging(ranks):
+    results = ranks(2, *scenarios({"plan": "differs_on_rank1", "steps": 3}), timeout=50)
+    for rank_results in results:
+        r = rank_results[0]
+        assert r.get("error_type") == "PlanMismatch", r.get("error")
+        assert "rank 1's plan" in r["error"] and "credit_bytes 2048 vs rank 0's 1024" in r["error"], r["error"]
+        assert r["error_after_start_s"] < 10, r["error_after_start_s"]

@@ -1,0 +1,203 @@
+"""The two-level all-reduce on torch.distributed: intra-node reduce-scatter, inter-node all-reduce, all-gather.
+
+On ``nodes`` × ``ranks_per_node`` ranks, numbered node-major (rank ``k`` is local rank
+``k % r`` of node ``k // r``), a flat ring pushes ``2(n−1)/n`` of every piece through each
+node's NIC from every rank of the node; the two-level algorithm crosses the NIC with one
+``1/r`` shard per rank only:
+
+1. **reduce-scatter** inside the node (``r`` ranks): local rank ``l`` ends with shard ``l``
+   of the node's sum (a piece whose element count is not a multiple of ``r`` is padded
+   with zeros to ``r · ceil(n / r)``);
+2. **all-reduce** of that shard among the ``nodes`` ranks with the same local rank: the
+   shard of the world's sum;
+3. **all-gather** inside the node: every rank has the whole sum (the padding is dropped).
+
+gloo on CPU has ``reduce_scatter`` (``reduce_scatter_single``/``reduce_scatter_tensor``) and
+``all_gather_into_tensor`` in this torch, so no fallback is needed; where the single-tensor
+calls are missing the list forms are used (same collective). Sums are in a different order
+than the ring's, so results equal a flat all-reduce up to rounding (allclose, not bitwise).
+
+Order: gloo and NCCL match a group's collectives by issue order, so the three phases run as
+a pipeline of three named threads (``commsched-hier-{rs,ar,ag}-r<rank>``), each with a FIFO
+queue and a process group of its own (created once, at construction, by every rank in the
+same order): a phase takes the next piece, issues its collective, waits for it (at most
+``timeout_s``), then hands the piece to the next phase. Pieces enter in the scheduler's
+agreed issue order, so every group sees the same sequence on every rank, and three
+pieces can be in different phases at once. ``close()`` stops the threads (each in at most
+``timeout_s``) and destroys the groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import CommschedError
+
+__all__ = ["HierarchicalAllReduce"]
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+def _reduce_scatter(out: torch.Tensor, src: torch.Tensor, group: Any) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+    if fn is not None:
+        return fn(out, src, group=group, async_op=True)
+    return dist.reduce_scatter(out, list(src.chunk(dist.get_world_size(group))), group=group, async_op=True)
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+    if fn is not None:
+        return fn(out, shard, group=group, async_op=True)
+    return dist.all_gather(list(out.chunk(dist.get_world_size(group))), shard, group=group, async_op=True)
+
+
+class _Job:
+    __slots__ = ("view", "done", "name", "shard", "padded")
+
+    def __init__(self, view: torch.Tensor, done: Callable[[Optional[BaseException]], None], name: str) -> None:
+        self.view, self.done, self.name = view, done, name
+        self.shard: Optional[torch.Tensor] = None
+        self.padded: Optional[torch.Tensor] = None
+
+
+class HierarchicalAllReduce:
+    """The two-level sum all-reduce of flat, contiguous CPU tensors (see the module docstring).
+
+    Every rank of the default group must construct it, with the same ``nodes`` and
+    ``ranks_per_node``, at the same point (it creates process groups). ``flat`` is True on
+    one node or one rank per node: then there is nothing two-level to do and the caller
+    reduces with its plain all-reduce.
+    """
+
+    def __init__(self, nodes: int, ranks_per_node: int, *, timeout_s: float = 300.0) -> None:
+        if not dist.is_initialized():
+            raise ValueError("the hierarchical all-reduce needs torch.distributed.init_process_group(...) first")
+        world = dist.get_world_size()
+        if nodes < 1 or ranks_per_node < 1 or nodes * ranks_per_node != world:
+            raise ValueError(f"a hierarchical all-reduce on {nodes} node(s) x {ranks_per_node} rank(s) needs "
+                             f"{nodes * ranks_per_node} ranks, but the default group has {world}; plan for this "
+                             "run's topology (ranks are node-major: rank k is on node k // ranks_per_node)")
+        self.nodes, self.ranks_per_node = nodes, ranks_per_node
+        self.rank = dist.get_rank()
+        self.node, self.local_rank = divmod(self.rank, ranks_per_node)
+        self.timeout = datetime.timedelta(seconds=float(timeout_s))
+        self.flat = nodes == 1 or ranks_per_node == 1
+        self._groups: list[Any] = []
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        if self.flat:
+            return
+        backend = dist.get_backend()
+        r = ranks_per_node
+        # Every rank creates every group, in this one order (new_group is collective on the default group).
+        mine = {}
+        for phase in ("rs", "ag"):
+            for node in range(nodes):
+                group = dist.new_group([node * r + i for i in range(r)], backend=backend)
+                if node == self.node:
+                    mine[phase] = group
+        for local in range(r):
+            group = dist.new_group([node * r + local for node in range(nodes)], backend=backend)
+            if local == self.local_rank:
+                mine["ar"] = group
+        self._rs, self._ar, self._ag = mine["rs"], mine["ar"], mine["ag"]
+        self._groups = [self._rs, self._ag, self._ar]
+        self._queues = [queue.Queue() for _ in range(3)]
+        for i, (what, phase) in enumerate((("rs", self._phase_reduce_scatter), ("ar", self._phase_all_reduce),
+                                           ("ag", self._phase_all_gather))):
+            thread = threading.Thread(target=self._loop, args=(i, phase), name=f"commsched-hier-{what}-r{self.rank}",
+                                      daemon=False)
+            self._threads.append(thread)
+            thread.start()
+
+    def start(self, view: torch.Tensor, done: Callable[[Optional[BaseException]], None], name: str = "") -> None:
+        """Begin the two-level sum of ``view`` (flat, contiguous), in place; ``done(None|exc)`` later,
+        from a pipeline thread. Pieces must be started in the same order on every rank."""
+        if self.flat:
+            raise CommschedError("HierarchicalAllReduce.start on a flat topology: use the plain all-reduce")
+        if self._closed:
+            raise CommschedError("the hierarchical all-reduce is closed; create a new DistributedOptimizer")
+        if not view.is_contiguous():
+            raise ValueError(f"piece {name!r}: the hierarchical all-reduce needs a contiguous flat view")
+        self._queues[0].put(_Job(view, done, name))
+
+    # ------------------------------------------------------------ phases
+    def _wait(self, work: Any, job: _Job, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:
+            raise CommschedError(f"the {what} of piece {job.name!r} (hierarchical all-reduce, rank {self.rank}) "
+                                 f"failed or ran past {self.timeout.total_seconds():g} s: {exc}") from exc
+
+    def _phase_reduce_scatter(self, job: _Job) -> None:
+        view, r = job.view, self.ranks_per_node
+        n = view.numel()
+        size = -(-n // r)
+        if size * r != n:  # pad to a multiple of r: every rank's shard has the same size
+            job.padded = torch.zeros(size * r, dtype=view.dtype, device=view.device)
+            job.padded[:n].copy_(view)
+        src = job.padded if job.padded is not None else view
+        job.shard = torch.empty(size, dtype=view.dtype, device=view.device)
+        self._wait(_reduce_scatter(job.shard, src, self._rs), job, "intra-node reduce-scatter")
+
+    def _phase_all_reduce(self, job: _Job) -> None:
+        self._wait(dist.all_reduce(job.shard, group=self._ar, async_op=True), job, "inter-node all-reduce")
+
+    def _phase_all_gather(self, job: _Job) -> None:
+        out = job.padded if job.padded is not None else job.view
+        self._wait(_all_gather(out, job.shard, self._ag), job, "intra-node all-gather")
+        if job.padded is not None:
+            job.view.copy_(job.padded[:job.view.numel()])
+        job.shard = job.padded = None
+
+    def _loop(self, index: int, phase: Callable[[_Job], None]) -> None:
+        inbox = self._queues[index]
+        outbox = self._queues[index + 1] if index + 1 < len(self._queues) else None
+        while True:
+            job = inbox.get()
+            if job is _STOP:
+                if outbox is not None:
+                    outbox.put(_STOP)
+                return
+            try:
+                phase(job)
+            except BaseException as exc:  # the piece fails; the scheduler fails with it
+                job.done(exc)
+                continue
+            if outbox is not None:
+                outbox.put(job)
+            else:
+                job.done(None)
+
+    def close(self) -> None:
+        """Stop the pipeline (pieces still queued are finished first, each wait bounded by the
+        timeout) and destroy the groups. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._threads:
+            self._queues[0].put(_STOP)
+        limit = self.timeout.total_seconds() * 3 + 1.0
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(limit)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            log.warning("hierarchical all-reduce threads %s did not stop within %.0f s", alive, limit)
+        groups, self._groups = self._groups, []
+        if dist.is_initialized():
+            for group in groups:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception as exc:  # closing goes on
+                    log.debug("destroying a hierarchical group: %r", exc)
