@@ -144,6 +144,9 @@ class Runner:
             "strategy": strategy, "partition_bytes": c.partition_bytes,
             "credit_bytes": c.credit_bytes, "timeline": timeline,
             "collective_timeout_s": c.collective_timeout_s,
+            # the cluster as built, for strategies that model it (planned: profile and topology)
+            "bandwidth": c.bandwidth, "intra_bandwidth": c.intra_bandwidth, "network": c.network,
+            "phase_timeout_s": c.phase_timeout_s,
         }
 
     def run_phase(self, index: int, name: str, mode: str,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static")
+COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned")
+#: commsched strategies: the orderings, and ``hierarchical`` (``dynamic`` with every piece
+#: reduced by the two-level algorithm, to attribute the algorithm's gain alone)
+COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -12,17 +15,17 @@ class StrategySpec:
     """A parsed ``--strategies`` entry."""
 
     name: str  # as the user wrote it, e.g. "ddp:4"
-    kind: str  # ddp | horovod | fifo | dynamic | static | allreduce
+    kind: str  # ddp | horovod | fifo | dynamic | static | planned | hierarchical | allreduce
     bucket_mb: float | None = None
 
     @property
     def is_commsched(self) -> bool:
         """Whether commsched schedules this strategy's communication."""
-        return self.kind in COMMSCHED_ORDERINGS
+        return self.kind in COMMSCHED_KINDS
 
 
 def parse_strategies(text: str) -> list[StrategySpec]:
-    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static"``; ``ValueError`` on a bad entry."""
+    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static,planned,hierarchical"``; ``ValueError`` on a bad entry."""
     specs = []
     for raw in text.split(","):
         name = raw.strip()
@@ -40,12 +43,12 @@ def parse_strategies(text: str) -> list[StrategySpec]:
                     raise ValueError(f"strategy {name!r}: bucket size must be a positive "
                                      "number of MB, e.g. ddp:4")
             specs.append(StrategySpec(name, "ddp", mb))
-        elif kind in ("horovod", "allreduce", *COMMSCHED_ORDERINGS) and not arg:
+        elif kind in ("horovod", "allreduce", *COMMSCHED_KINDS) and not arg:
             specs.append(StrategySpec(name, kind))
         else:
             raise ValueError(
                 f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, "
-                "dynamic, static or allreduce"
+                "dynamic, static, planned, hierarchical or allreduce"
             )
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")

@@ -9,6 +9,10 @@ name               what runs
 ``fifo``           commsched, backward order, partition and credit off
 ``dynamic``        commsched, rank 0 decides the order as pieces get ready
 ``static``         commsched, order fixed from the first profiled step
+``planned``        commsched running a plan rank 0 makes at start (profile of the
+                   workload, cached; the bench's emulated topology; ``make_plan``)
+``hierarchical``   commsched ``dynamic`` with every piece reduced by the two-level
+                   algorithm on the bench's nodes (the algorithm's gain alone)
 ``allreduce``      backward, then one flat all-reduce (no overlap at all)
 =================  =========================================================
 
@@ -154,7 +158,8 @@ class CommschedStrategy(Strategy):
     bubble_method = "commsched opt.stats() (time forward or step() blocked on communication)"
 
     def __init__(self, model: nn.Module, make_opt: Callable, ordering: str,
-                 partition_bytes: int, credit_bytes: int, timeline: str | None) -> None:
+                 partition_bytes: int, credit_bytes: int, timeline: str | None, *,
+                 plan: str | None = None, hierarchical: tuple[int, int] | None = None) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -167,10 +172,12 @@ class CommschedStrategy(Strategy):
             partition_bytes = credit_bytes = UNLIMITED_BYTES
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
-            cross_iteration=True, timeline=timeline,
+            cross_iteration=True, timeline=timeline, plan=plan,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config)
+        if hierarchical is not None:  # every rank, before the first piece: it creates process groups
+            opt._backend.use_hierarchical(*hierarchical, every_piece=True)
         super().__init__(model, opt)
         self._first_measured_step = 0
         self._steps = 0
@@ -201,6 +208,83 @@ class CommschedStrategy(Strategy):
 
     def close(self) -> None:
         self.optimizer.close()
+
+
+class PlannedStrategy(CommschedStrategy):
+    """commsched with ``ordering="planned"``: rank 0 makes the plan at start, every rank runs it.
+
+    Rank 0 takes the workload's profile (:func:`commsched.plugins.torch.profiler.load_or_profile`
+    with the bench's flags: cached after the first time, else measured on a cluster of its
+    own), the bench's emulated topology (:meth:`Topology.emulated`), and searches a plan
+    (:func:`commsched.costmodel.planner.make_plan`, at most :data:`PLAN_TIME_LIMIT_S`); it
+    writes ``<run_dir>/plan.json`` and posts its digest (or why it failed) to the rendezvous
+    store, where the other ranks wait for it (up to the phase timeout: profiling can take
+    minutes, longer than a collective's timeout). ``stats()`` records the plan's path, digest
+    and predicted step for the report.
+    """
+
+    def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
+                 timeline: str | None) -> None:
+        path = os.path.join(run_spec["run_dir"], "plan.json")
+        self.plan_info = _shared_plan(run_spec, rank, path)
+        super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
+                         timeline, plan=path)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(super().stats(), plan_file=dict(self.plan_info))
+
+
+#: The planner's search budget in the benchmark (seconds of MILP after the greedy grid).
+PLAN_TIME_LIMIT_S = 20.0
+_PLAN_KEY = "commsched/bench/plan"
+
+
+def _shared_plan(run_spec: dict, rank: int, path: str) -> dict[str, Any]:
+    """Rank 0 makes the plan and writes it to ``path``; every rank returns what rank 0 posted."""
+    import json
+
+    from commsched.plugins.torch.backends import default_store
+
+    store = default_store()
+    wait_s = float(run_spec.get("phase_timeout_s", 900.0))
+    if rank == 0:
+        try:
+            info = _make_bench_plan(run_spec, path)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear why, then fail
+            info = {"error": f"{type(exc).__name__}: {exc}"}
+        store.set(_PLAN_KEY, json.dumps(info).encode())
+    else:
+        info = json.loads(store.get(_PLAN_KEY, wait_s).decode())
+    if "error" in info:
+        raise RuntimeError(f"rank 0 could not make the plan: {info['error']}")
+    return info
+
+
+def _make_bench_plan(run_spec: dict, path: str) -> dict[str, Any]:
+    from commsched.costmodel.topology import Topology
+    from commsched.plugins.torch.profiler import load_or_profile
+
+    try:
+        from commsched.costmodel.planner import make_plan
+    except ImportError as exc:
+        raise StrategyUnavailable(f"the planner is not importable ({exc})") from exc
+    workers, nodes = run_spec["world_size"], run_spec["nodes"]
+    bandwidth = run_spec.get("bandwidth")
+    intra = run_spec.get("intra_bandwidth")
+    started = time.monotonic()
+    profile = load_or_profile(run_spec["workload"], batch_size=run_spec["batch_size"], workers=workers, nodes=nodes,
+                              bandwidth=bandwidth, intra_bandwidth=intra,
+                              network=run_spec.get("network", "netns"), seed=run_spec["seed"])
+    topology = Topology.emulated(workers, nodes, bandwidth or "none", intra)
+    profiled = time.monotonic()
+    plan = make_plan(profile, topology, time_limit_s=PLAN_TIME_LIMIT_S).plan
+    tmp = f"{path}.tmp"
+    plan.to_json(tmp)
+    os.replace(tmp, path)
+    return {"path": path, "digest": plan.digest, "predicted": dict(plan.predicted),
+            "groups": len(plan.groups), "pieces": len(plan.pieces), "credit_bytes": plan.credit_bytes,
+            "algorithms": sorted({p.algorithm for p in plan.pieces}),
+            "profile_s": profiled - started, "plan_s": time.monotonic() - profiled}
 
 
 def bubble_list(stats: Any) -> list[float] | None:
@@ -265,6 +349,13 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return AllreduceStrategy(model, make_opt)
     if spec.kind == "horovod":
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
+    if spec.kind == "planned":
+        return PlannedStrategy(model, make_opt, run_spec, rank, timeline)
+    if spec.kind == "hierarchical":
+        nodes = run_spec["nodes"]
+        return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
+                                 run_spec["credit_bytes"], timeline,
+                                 hierarchical=(nodes, run_spec["world_size"] // nodes))
     return CommschedStrategy(model, make_opt, spec.kind, run_spec["partition_bytes"],
                              run_spec["credit_bytes"], timeline)
 
