@@ -39,6 +39,9 @@ SUBCOMMANDS = {
     "validate": ("commsched.costmodel.cli:validate",
                  "run a grid of `commsched bench` configurations and the simulator on each; report errors and "
                  "Kendall tau (needs torch, root)"),
+    "plan": ("commsched.costmodel.plan_cli:plan",
+             "search the communication plan (order, piece sizes, fusion, credit, algorithm per piece) of a model "
+             "on a topology with the simulator and a MILP; writes the plan ordering='planned' executes"),
     "advise": ("commsched.costmodel.cli:advise",
                "will scheduling help this model on this network? expected speedup over DDP, settings, why"),
     "profile": ("commsched.plugins.torch.profiler",

@@ -177,6 +177,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-steps", type=int, default=5, help="simulated steps (the first is warm-up)")
     p.add_argument("--json", default=None, help="write the predicted report (bench schema) here")
     p.add_argument("--timelines", default=None, help="write a Chrome trace per strategy into this folder")
+    p.add_argument("--plan", default=None,
+                   help="the plan strategy 'planned' executes (commsched plan --json); without it 'planned' is "
+                        "planned here first (commsched plan's search, MILP limit --plan-time-limit)")
+    p.add_argument("--plan-time-limit", type=float, default=5.0, help="seconds for the MILP when planning here")
     p.add_argument("--seed-table", action="store_true",
                    help="print the seed's 16x8 / 100 Gbit/s / 70B comparison with physically correct numbers and "
                         "consistent variants (use --strategies ddp,dynamic,... and --partition-mb/--credit-mb)")
@@ -192,7 +196,21 @@ SEED_CONFIGS = (
 )
 
 
-def seed_table(strategies: list[str], settings: SimSettings) -> str:
+def _plan_for(strategies: list[str], profile: Profile, topology: Topology, path: str | None = None,
+              time_limit_s: float = 5.0) -> Any:
+    """The plan ``planned`` executes: read from ``path``, else searched here; None without ``planned``."""
+    if "planned" not in strategies:
+        return None
+    from commsched.plan import Plan
+
+    if path:
+        return Plan.from_json(path)
+    from commsched.costmodel.planner import make_plan
+
+    return make_plan(profile, topology, time_limit_s=time_limit_s).plan
+
+
+def seed_table(strategies: list[str], settings: SimSettings, plan_time_limit_s: float = 5.0) -> str:
     """The seed's 16 x 8 / 100 Gbit/s / 70B comparison, simulated, with what its figures would need."""
     from commsched.costmodel.zoo import zoo_profile
 
@@ -201,7 +219,8 @@ def seed_table(strategies: list[str], settings: SimSettings) -> str:
     for label, model, cluster, inter in SEED_CONFIGS:
         prof = zoo_profile(model["model"], "h100", tp=model.get("tp", 1), pp=model.get("pp", 1))
         topo = Topology.described(cluster, intra="900GB/s", inter=inter)
-        results = {name: simulate(prof, topo, name, settings) for name in strategies}
+        plan = _plan_for(strategies, prof, topo, time_limit_s=plan_time_limit_s)
+        results = {name: simulate(prof, topo, name, settings, plan=plan) for name in strategies}
         ddp = results.get("ddp")
         for name, r in results.items():
             claim = SEED_CLAIM.get(name) if "claimed" in label else None
@@ -230,7 +249,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
             for name in strategies:
                 parse_sim_strategy(name)
-            print(seed_table(strategies, settings_from(args)))
+            print(seed_table(strategies, settings_from(args), args.plan_time_limit))
         except ValueError as exc:
             print(f"commsched simulate: {exc}", file=sys.stderr)
             return 2
@@ -245,8 +264,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"commsched simulate: {exc}", file=sys.stderr)
         return 2
+    try:
+        plan = _plan_for(strategies, profile, topology, args.plan, args.plan_time_limit)
+    except ValueError as exc:
+        print(f"commsched simulate: {exc}", file=sys.stderr)
+        return 2
     t0 = time.process_time()
-    results = [simulate(profile, topology, name, settings) for name in strategies]
+    results = [simulate(profile, topology, name, settings, plan=plan) for name in strategies]
     cpu = time.process_time() - t0
     report = predicted_report(profile, topology, results, settings, strategies,
                               workload=args.workload or args.model or os.path.basename(args.profile or "profile"),

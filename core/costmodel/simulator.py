@@ -57,7 +57,7 @@ from commsched.costmodel.profile import Profile, TensorSpec
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
 from commsched.plan import Plan, PlannedTensor
-from commsched.policy import Unstarted, replay_policy
+from commsched.policy import PriorityPolicy, Unstarted, replay_policy
 from commsched.task import Piece, Task
 
 __all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "parse_sim_strategy", "planned_tensors", "simulate",
@@ -325,6 +325,8 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         if plan is None:
             raise ValueError("strategy 'planned' needs a plan (make one with `commsched plan`)")
         plan.check_model(planned_tensors(profile))
+    else:
+        plan = None  # only 'planned' executes a plan
 
     def collective_s(nbytes: int, piece_algorithm: str | None = None) -> float:
         return allreduce_s(topology, nbytes, piece_algorithm or algorithm) if world > 1 else 0.0
@@ -345,14 +347,22 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
 
     pieces_total = [0]
     issue_order: list[str] = []
-    # ---- commsched: the scheduler's own objects and policy
-    policy = replay_policy(model.ordering, UNLIMITED if model.ordering == "fifo" else settings.credit_bytes)
+    # ---- commsched: the scheduler's own objects and policy. A task is one tensor, or with a
+    # plan one group of the plan (fused tensors go together once the last of them is ready).
+    if model.ordering == "planned":
+        assert plan is not None
+        policy = (replay_policy("planned", None, plan) if plan_order == "fixed"
+                  else PriorityPolicy(plan.credit_bytes))
+    else:
+        policy = replay_policy(model.ordering, UNLIMITED if model.ordering == "fifo" else settings.credit_bytes)
     partition = UNLIMITED if model.ordering == "fifo" else settings.partition_bytes
     unstarted = Unstarted()
     in_flight = [0]
     seq = [0]
-    layer_of: dict[int, int] = {}  # id(task) -> its layer
-    priorities = {t.name: i for i, t in enumerate(t for layer in layers for t in layer.tensors)}
+    layers_of: dict[int, list[int]] = {}  # id(task) -> the layer of each of its tensors
+    forward_index = {t.name: i for i, t in enumerate(t for layer in layers for t in layer.tensors)}
+    tensor_layer = {t.name: li for li, layer in enumerate(layers) for t in layer.tensors}
+    group_waiting: dict[tuple[int, str], int] = {}  # planned: tensors of a group not ready yet
 
     def dispatch(step: int) -> None:
         while True:
@@ -368,103 +378,44 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                 in_flight[0] -= piece.nbytes
                 piece.task.remaining -= 1
                 if piece.task.remaining == 0:
-                    reduced(piece.task.step, layer_of.pop(id(piece.task)))
+                    for lj in layers_of.pop(id(piece.task)):
+                        reduced(piece.task.step, lj)
                 dispatch(piece.task.step)
-            sim.send(piece.nbytes, piece.name, done, extra_s=profile.per_piece_cpu_s)
+            sim.send(piece.nbytes, piece.name, done, extra_s=profile.per_piece_cpu_s,
+                     algorithm=getattr(piece, "algorithm", None) if plan is not None else None)
+
+    def submit(step: int, name: str, tensors: list[str], numel: int, element_size: int,
+               bounds: list[tuple[int, int]], algorithm_of: Callable[[str], str] | None) -> None:
+        task = Task(name=name, tensor=None, priority=min(forward_index[t] for t in tensors), step=step,
+                    seq=seq[0], future=None, on_done=None, submitted_us=sim.now * 1e6)
+        seq[0] += 1
+        layers_of[id(task)] = [tensor_layer[t] for t in tensors]
+        task.remaining = len(bounds)
+        if not bounds:
+            for t in tensors:
+                reduced(step, tensor_layer[t])
+        for index, (lo, hi) in enumerate(bounds):
+            piece_name = f"{name}#{index}"
+            piece = Piece(task, index, lo, hi, (hi - lo) * element_size, None, piece_name)
+            if algorithm_of is not None:
+                piece.algorithm = algorithm_of(piece_name)
+            policy.add(piece)
 
     def commsched_ready(step: int, li: int) -> Callable[[], None]:
         def fire() -> None:
             for t in layers[li].tensors:
-                bounds = piece_bounds(t.numel, t.element_size, partition)
-                task = Task(name=t.name, tensor=None, priority=priorities[t.name], step=step, seq=seq[0],
-                            future=None, on_done=None, submitted_us=sim.now * 1e6)
-                layer_of[id(task)] = li
-                seq[0] += 1
-                task.remaining = len(bounds)
-                if not bounds:
-                    reduced(step, li)
-                for index, (lo, hi) in enumerate(bounds):
-                    policy.add(Piece(task, index, lo, hi, (hi - lo) * t.element_size, None, f"{t.name}#{index}"))
-            dispatch(step)
-        return fire
-
-    # ---- planned: the plan's groups, one fixed order, each piece's own algorithm
-    tensor_layer = {t.name: li for li, layer in enumerate(layers) for t in layer.tensors}
-    group_waiting: dict[tuple[int, str], int] = {}
-    group_left: dict[tuple[int, str], int] = {}
-    available: dict[tuple[int, str], tuple[int, str]] = {}  # (step, piece) -> (bytes, algorithm)
-    walk = {"pos": 0, "step": 0}
-    plan_pieces = plan.pieces if plan is not None else ()
-    group_rank: dict[str, int] = {}
-    if plan is not None:
-        forward_index = {t.name: i for i, t in enumerate(t for layer in layers for t in layer.tensors)}
-        group_rank = {g.name: min(forward_index[n] for n in g.tensors) for g in plan.groups}
-    ready_heap: list[tuple[int, int, int, str, str]] = []  # priority mode: (step, group rank, index, group, name)
-
-    def next_planned() -> tuple[int, str, str] | None:
-        """The next piece to start, as (step, group, piece name), or None."""
-        if plan_order == "priority":
-            if not ready_heap:
-                return None
-            step, _, index, task, name = ready_heap[0]
-            nbytes = available[(step, name)][0]
-            if in_flight[0] and in_flight[0] + nbytes > plan.credit_bytes:
-                return None
-            heapq.heappop(ready_heap)
-            return step, task, name
-        planned = plan_pieces[walk["pos"]]
-        key = (walk["step"], planned.name)
-        if key not in available or (in_flight[0] and in_flight[0] + available[key][0] > plan.credit_bytes):
-            return None
-        step = walk["step"]
-        walk["pos"] += 1
-        if walk["pos"] == len(plan_pieces):
-            walk["pos"] = 0
-            walk["step"] += 1
-        return step, planned.task, planned.name
-
-    def dispatch_planned() -> None:
-        while plan_pieces:
-            chosen = next_planned()
-            if chosen is None:
-                return
-            step, task_name, piece_name = chosen
-            nbytes, piece_algorithm = available.pop((step, piece_name))
-            in_flight[0] += nbytes
-            pieces_total[0] += 1
-            if step == 1:
-                issue_order.append(piece_name)
-
-            def done(step: int = step, task: str = task_name, nbytes: int = nbytes) -> None:
-                in_flight[0] -= nbytes
-                group_left[(step, task)] -= 1
-                if group_left[(step, task)] == 0:
-                    for name in plan.group(task).tensors:
-                        reduced(step, tensor_layer[name])
-                dispatch_planned()
-            sim.send(nbytes, piece_name, done, extra_s=profile.per_piece_cpu_s, algorithm=piece_algorithm)
-
-    def planned_ready(step: int, li: int) -> Callable[[], None]:
-        def fire() -> None:
-            for t in layers[li].tensors:
+                if plan is None:
+                    submit(step, t.name, [t.name], t.numel, t.element_size,
+                           piece_bounds(t.numel, t.element_size, partition), None)
+                    continue
                 group = plan.group_of(t.name)
                 key = (step, group.name)
-                if key not in group_waiting:
-                    group_waiting[key] = len(group.tensors)
-                group_waiting[key] -= 1
+                group_waiting[key] = group_waiting.get(key, len(group.tensors)) - 1
                 if group_waiting[key] == 0:
-                    bounds = plan.bounds(group)
-                    group_left[key] = len(bounds)
-                    if not bounds:
-                        for name in group.tensors:
-                            reduced(step, tensor_layer[name])
-                    size = plan.group_element_size(group)
-                    for index, (lo, hi) in enumerate(bounds):
-                        name = f"{group.name}#{index}"
-                        available[(step, name)] = ((hi - lo) * size, plan.algorithm_of(name))
-                        if plan_order == "priority":
-                            heapq.heappush(ready_heap, (step, group_rank[group.name], index, group.name, name))
-            dispatch_planned()
+                    del group_waiting[key]
+                    submit(step, group.name, list(group.tensors), plan.group_numel(group),
+                           plan.group_element_size(group), plan.bounds(group), plan.algorithm_of)
+            dispatch(step)
         return fire
 
     # ---- peers
@@ -522,8 +473,6 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         return fire
 
     on_ready = {"commsched": commsched_ready, "ddp": ddp_ready, "horovod": horovod_ready}.get(model.kind)
-    if model.ordering == "planned":
-        on_ready = planned_ready
 
     # ---- the program of the compute lane
     def layer_done(step: int, li: int) -> Callable[[], bool]:

@@ -1,0 +1,481 @@
+"""The topology-aware compile-time planner: searches a :class:`~commsched.plan.Plan`.
+
+What it chooses, and what it cannot gain
+----------------------------------------
+On one bottleneck link, earliest-due-date order (the layer order ``dynamic`` uses)
+with pieces is already optimal, so reordering alone cannot beat ``dynamic`` there.
+The planner's gains come from what the runtime scheduler does not choose:
+
+1. the **algorithm** of each piece on a two-level topology (flat ring, or
+   intra reduce-scatter → inter all-reduce of the shard → intra all-gather);
+2. the **piece size** of each tensor (large where latency dominates, small where
+   a tensor is urgent) and the **credit**;
+3. **fusion** of runs of small tensors into one piece (one collective instead of many);
+4. the **order**, where pieces of very different cost compete (a MILP).
+
+Every candidate is scored by the simulator (:func:`commsched.costmodel.simulator.simulate`,
+strategy ``planned``), the same model ``commsched simulate`` uses, and the result keeps
+the best one. The greedy (EDD) plans of the first stage are candidates too, so the
+result is never worse *in the model* than the greedy baseline; the attribution lists
+what each stage gained.
+
+Search, in stages (each records its best step time in ``PlanResult.stages``):
+
+* ``dynamic`` — the runtime's default: 1 MiB pieces, 4 MiB credit, flat ring, no fusion
+  (the reference the gains are measured from; not a plan candidate of its own);
+* ``greedy`` — EDD order for each piece size × credit × fusion threshold × algorithm
+  rule (``ring``, ``hierarchical``, or the faster of the two per piece);
+* ``sizes`` — coordinate descent on each group's own piece size (×¼, ×4), EDD order;
+* ``milp`` — order and algorithm of every unit (a piece, or a run of pieces of one
+  group when there are more than ``milp_units``) by a mixed-integer programme solved
+  by HiGHS with a time limit (status, objective, bound and gap reported), warm-started
+  from the best EDD order; then the credit again for that order.
+
+The MILP: one network resource, non-preemptive units ``u`` with release ``r_u``
+(when backward makes the group ready), a duration per algorithm ``d_ua``
+(:func:`~commsched.costmodel.collectives.allreduce_s` + the scheduler's CPU per piece),
+binaries ``x_ua`` (algorithm) and ``y_uv`` (order, big-M disjunctions), the next
+forward's layer ends ``F_l ≥ F_{l-1} + apply_l + fwd_l`` and ``F_l ≥ C_u + apply_l +
+fwd_l`` for every unit carrying layer ``l``'s gradients, and the period ``T ≥ F_last``,
+``T ≥ C_max − S_min`` (a step's communication fits one period). Minimise ``T``. It
+ignores compute slowed by communication (the simulator does not).
+
+Why HiGHS: OR-Tools (CP-SAT) needs numpy ≥ 2 and its own protobuf, which do not resolve
+with mxnet's numpy 1.26 and TensorFlow's protobuf pin here; ``highspy`` needs only numpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from commsched.costmodel.collectives import allreduce_s
+from commsched.costmodel.profile import Profile
+from commsched.costmodel.simulator import SimResult, SimSettings, planned_tensors, simulate
+from commsched.costmodel.topology import Topology
+from commsched.plan import ALGORITHMS, Plan, PlanGroup, PlannedPiece, fused_name
+from commsched.partition import piece_bounds
+
+__all__ = ["ALGORITHM_RULES", "PlanResult", "PlanSearch", "greedy_plan", "make_groups", "make_plan", "solve_order"]
+
+KIB, MIB = 1 << 10, 1 << 20
+#: How the algorithm of each piece is chosen in the greedy stage.
+ALGORITHM_RULES = ("ring", "hierarchical", "best")
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """What the planner searches over, and for how long."""
+
+    partitions: tuple[int, ...] = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+    credits: tuple[int, ...] = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+    fusions: tuple[int, ...] = (0, 256 * KIB, 1 * MIB, 4 * MIB)
+    algorithm_rules: tuple[str, ...] | None = None  # None: ring only on one node, else all rules
+    time_limit_s: float = 10.0  # the MILP's limit (all its solves together)
+    milp_units: int = 32
+    milp_candidates: int = 2  # how many of the best greedy configurations the MILP reorders
+    size_rounds: int = 2
+    size_groups: int = 12  # the coordinate descent tries the largest this many groups
+    simulated_steps: int = 4
+
+    @classmethod
+    def for_profile(cls, profile: Profile, **overrides: Any) -> "PlanSearch":
+        """The default grid, moved up for models whose gradients exceed 1 GiB (thousands of
+        1 MiB pieces would only add latency and simulation time there)."""
+        if profile.grad_bytes > (1 << 30):
+            base = dict(partitions=(16 * MIB, 64 * MIB, 256 * MIB), credits=(64 * MIB, 256 * MIB, 1024 * MIB),
+                        fusions=(0, 16 * MIB), size_rounds=1, size_groups=4)
+            return cls(**{**base, **overrides})
+        return cls(**overrides)
+
+    def __post_init__(self) -> None:
+        for name in ("partitions", "credits", "fusions"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+                raise ValueError(f"PlanSearch.{name}={values!r} must be a non-empty tuple of byte counts")
+        if any(v <= 0 for v in self.partitions + self.credits):
+            raise ValueError("PlanSearch partitions and credits must be positive byte counts")
+        if self.algorithm_rules is not None and (not self.algorithm_rules or any(
+                r not in ALGORITHM_RULES for r in self.algorithm_rules)):
+            raise ValueError(f"PlanSearch.algorithm_rules={self.algorithm_rules!r}: use some of {ALGORITHM_RULES}")
+        if not self.time_limit_s > 0:
+            raise ValueError(f"PlanSearch.time_limit_s={self.time_limit_s!r} must be > 0 seconds")
+        if self.milp_units < 2:
+            raise ValueError(f"PlanSearch.milp_units={self.milp_units!r} must be >= 2")
+
+
+@dataclass
+class PlanResult:
+    """The best plan found, its simulated step, and how the search got there."""
+
+    plan: Plan
+    predicted: SimResult
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    solver: dict[str, Any] = field(default_factory=dict)
+    candidates: int = 0
+    seconds: float = 0.0
+
+    @property
+    def step_time_s(self) -> float:
+        return self.predicted.step_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "exposed_comm_s": self.predicted.exposed_comm_s,
+                "overlap_ratio": self.predicted.overlap_ratio, "stages": self.stages, "solver": self.solver,
+                "candidates": self.candidates, "seconds": self.seconds}
+
+
+# ------------------------------------------------------------------ building blocks
+def _tensors_forward(profile: Profile) -> list[Any]:
+    return [t for layer in profile.layers for t in layer.tensors]
+
+
+def make_groups(profile: Profile, fusion_bytes: int, partition_bytes: int | dict[str, int]) -> list[PlanGroup]:
+    """The tasks of a plan: runs of adjacent small tensors (each under ``fusion_bytes``,
+    one element size, together at most ``fusion_bytes``) fused; every other tensor alone.
+
+    ``partition_bytes``: one piece size for all, or per group name (missing names: 1 MiB).
+    Adjacent in forward order is adjacent in backward, so a fused group waits only for
+    tensors that are ready at about the same time.
+    """
+    runs: list[list[Any]] = []
+    current: list[Any] = []
+    size = 0
+    for t in _tensors_forward(profile):
+        small = fusion_bytes > 0 and t.nbytes < fusion_bytes
+        fits_run = current and size + t.nbytes <= fusion_bytes and current[0].element_size == t.element_size
+        if small and fits_run:
+            current.append(t)
+            size += t.nbytes
+            continue
+        if current:
+            runs.append(current)
+        current, size = ([t], t.nbytes) if small else ([], 0)
+        if not small:
+            runs.append([t])
+    if current:
+        runs.append(current)
+    groups = []
+    for run in runs:
+        names = tuple(t.name for t in run)
+        name = names[0] if len(names) == 1 else fused_name(names)
+        part = partition_bytes if isinstance(partition_bytes, int) else partition_bytes.get(name, MIB)
+        groups.append(PlanGroup(name, names, int(part)))
+    return groups
+
+
+def _piece_algorithm(topology: Topology, nbytes: int, rule: str) -> str:
+    if rule in ALGORITHMS:
+        return rule
+    ring, hier = allreduce_s(topology, nbytes, "ring"), allreduce_s(topology, nbytes, "hierarchical")
+    return "hierarchical" if hier < ring else "ring"
+
+
+def _plan(profile: Profile, topology: Topology, groups: list[PlanGroup], order: list[tuple[str, int]],
+          algorithms: dict[str, str], credit: int, meta: dict[str, Any] | None = None) -> Plan:
+    pieces = tuple(PlannedPiece(task, index, algorithms[f"{task}#{index}"]) for task, index in order)
+    return Plan(model=tuple(planned_tensors(profile)), groups=tuple(groups), pieces=pieces, credit_bytes=int(credit),
+                nodes=topology.nodes, ranks_per_node=topology.ranks_per_node, topology=topology.to_dict(),
+                meta=dict(meta or {}))
+
+
+def _all_pieces(profile: Profile, groups: list[PlanGroup]) -> list[tuple[str, int, int]]:
+    """(group, index, bytes) of every piece, groups in forward order, indexes ascending."""
+    sizes = {t.name: t for t in _tensors_forward(profile)}
+    out = []
+    for g in groups:
+        numel = sum(sizes[n].numel for n in g.tensors)
+        element = sizes[g.tensors[0]].element_size
+        for index, (lo, hi) in enumerate(piece_bounds(numel, element, g.partition_bytes)):
+            out.append((g.name, index, (hi - lo) * element))
+    return out
+
+
+def greedy_plan(profile: Profile, topology: Topology, groups: list[PlanGroup], credit: int, rule: str = "best",
+                steps: int = 4) -> tuple[Plan, SimResult]:
+    """The earliest-due-date plan for these groups: the order in which ``dynamic``'s rule
+    (ready pieces by layer, within the credit) starts them in a simulated steady-state
+    step, each piece with the algorithm ``rule`` picks; and its simulated step."""
+    pieces = _all_pieces(profile, groups)
+    algorithms = {f"{g}#{i}": _piece_algorithm(topology, nbytes, rule) for g, i, nbytes in pieces}
+    draft = _plan(profile, topology, groups, [(g, i) for g, i, _ in pieces], algorithms, credit)
+    settings = SimSettings(steps=steps)
+    edd = simulate(profile, topology, "planned", settings, plan=draft, plan_order="priority")
+    order = [(name.rsplit("#", 1)[0], int(name.rsplit("#", 1)[1])) for name in edd.issue_order]
+    if len(order) != len(pieces):  # a piece of step 1 never started (cannot happen: every step ends)
+        raise RuntimeError("the simulated EDD step did not start every piece")
+    plan = _plan(profile, topology, groups, order, algorithms, credit)
+    return plan, simulate(profile, topology, "planned", settings, plan=plan)
+
+
+# --------------------------------------------------------------------------- MILP
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS prints a banner on stdout when created; keep the CLI's stdout for its report."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _units(pieces: list[tuple[str, int, int]], limit: int) -> list[list[tuple[str, int, int]]]:
+    """Pieces, or runs of consecutive pieces of one group, so that there are at most about ``limit``."""
+    per = 1
+    while True:
+        units: list[list[tuple[str, int, int]]] = []
+        for piece in pieces:
+            if units and units[-1][0][0] == piece[0] and len(units[-1]) < per:
+                units[-1].append(piece)
+            else:
+                units.append([piece])
+        if len(units) <= limit or per > len(pieces):
+            return units
+        per += 1
+
+
+def solve_order(profile: Profile, topology: Topology, groups: list[PlanGroup], warm: Plan,
+                time_limit_s: float, max_units: int = 32, algorithms: tuple[str, ...] = ALGORITHMS
+                ) -> tuple[list[tuple[str, int]], dict[str, str], dict[str, Any]]:
+    """Order and algorithm of every piece by the MILP of the module docstring (HiGHS).
+
+    Returns the piece order, the algorithm per piece, and the solver's report (status,
+    objective and bound in seconds, relative gap, wall time, units, binaries). ``warm``
+    (a plan of these groups) is the starting incumbent. ``ImportError`` with the fix
+    when ``highspy`` is not installed.
+    """
+    try:
+        import highspy
+    except ImportError:
+        raise ImportError("the planner's MILP needs HiGHS: pip install highspy==1.16.0 "
+                          "(or pip install 'commsched[planner]'); make venv installs it") from None
+    layers = profile.layers
+    layer_of = {t.name: li for li, layer in enumerate(layers) for t in layer.tensors}
+    ready = profile.ready_times()
+    group_by_name = {g.name: g for g in groups}
+    units = _units(_all_pieces(profile, groups), max_units)
+    n = len(units)
+    cpu = profile.per_piece_cpu_s
+    algos = tuple(a for a in algorithms if topology.nodes > 1 and topology.ranks_per_node > 1) or ("ring",)
+    duration = [[sum(allreduce_s(topology, b, a) + cpu for _, _, b in unit) if topology.world_size > 1 else 0.0
+                 for a in algos] for unit in units]
+    release = [max(ready[layer_of[t]] for t in group_by_name[unit[0][0]].tensors) for unit in units]
+    unit_layers = [sorted({layer_of[t] for t in group_by_name[unit[0][0]].tensors}) for unit in units]
+    backward_end = profile.backward_s + profile.step_overhead_s
+    big_m = backward_end + max(release) + sum(max(d) for d in duration) + profile.forward_s + profile.apply_s
+
+    started = time.monotonic()
+    with _quiet_stdout():
+        h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", 1e-4)
+    h.setOptionValue("threads", 1)
+    inf = highspy.kHighsInf
+    start = [h.addVariable(lb=release[u], ub=inf) for u in range(n)]
+    choose = [[h.addBinary() for _ in algos] for _ in range(n)]
+    before = {(u, v): h.addBinary() for u in range(n) for v in range(u + 1, n)}
+    ends = [h.addVariable(lb=0, ub=inf) for _ in layers]
+    s_min = h.addVariable(lb=0, ub=inf)
+    c_max = h.addVariable(lb=0, ub=inf)
+    period = h.addVariable(lb=0, ub=inf)
+
+    def busy(u: int) -> Any:
+        return sum(duration[u][a] * choose[u][a] for a in range(len(algos)))
+
+    for u in range(n):
+        h.addConstr(sum(choose[u]) == 1)
+        h.addConstr(s_min <= start[u])
+        h.addConstr(c_max >= start[u] + busy(u))
+    for (u, v), y in before.items():
+        h.addConstr(start[v] >= start[u] + busy(u) - big_m * (1 - y))
+        h.addConstr(start[u] >= start[v] + busy(v) - big_m * y)
+    for li, layer in enumerate(layers):
+        work = layer.apply_s + layer.forward_s
+        h.addConstr(ends[li] >= (ends[li - 1] if li else backward_end) + work)
+    for u in range(n):
+        for li in unit_layers[u]:
+            work = layers[li].apply_s + layers[li].forward_s
+            h.addConstr(ends[li] >= start[u] + busy(u) + work)
+    # one resource: a step's communication takes at least the sum of its units (tightens the bound)
+    h.addConstr(c_max - s_min >= sum(busy(u) for u in range(n)))
+    h.addConstr(period >= ends[-1])
+    h.addConstr(period >= c_max - s_min)
+
+    # warm start: the EDD plan's unit order and algorithms, timed in the MILP's own model
+    position = {(p.task, p.index): k for k, p in enumerate(warm.pieces)}
+    warm_order = sorted(range(n), key=lambda u: min(position[(g, i)] for g, i, _ in units[u]))
+    warm_algo = [algos.index(warm.algorithm_of(f"{units[u][0][0]}#{units[u][0][1]}"))
+                 if warm.algorithm_of(f"{units[u][0][0]}#{units[u][0][1]}") in algos else 0 for u in range(n)]
+    values: dict[Any, float] = {}
+    clock = 0.0
+    warm_start = [0.0] * n
+    for u in warm_order:
+        warm_start[u] = max(release[u], clock)
+        clock = warm_start[u] + duration[u][warm_algo[u]]
+    rank = {u: k for k, u in enumerate(warm_order)}
+    for u in range(n):
+        values[start[u]] = warm_start[u]
+        for a in range(len(algos)):
+            values[choose[u][a]] = 1.0 if a == warm_algo[u] else 0.0
+    for (u, v), y in before.items():
+        values[y] = 1.0 if rank[u] < rank[v] else 0.0
+    previous = backward_end
+    for li, layer in enumerate(layers):
+        need = max([warm_start[u] + duration[u][warm_algo[u]] for u in range(n) if li in unit_layers[u]],
+                   default=0.0)
+        previous = max(previous, need) + layer.apply_s + layer.forward_s
+        values[ends[li]] = previous
+    values[s_min] = min(warm_start)
+    values[c_max] = max(warm_start[u] + duration[u][warm_algo[u]] for u in range(n))
+    values[period] = max(values[ends[-1]], values[c_max] - values[s_min])
+    warm_solution = highspy.HighsSolution()
+    column = [0.0] * h.getNumCol()
+    for var, value in values.items():
+        column[int(var.index)] = value
+    warm_solution.col_value = column
+    warm_solution.value_valid = True
+    h.setSolution(warm_solution)
+    h.minimize(period)
+    wall = time.monotonic() - started
+    info = h.getInfo()
+    status = h.modelStatusToString(h.getModelStatus())
+    report = {"solver": f"HiGHS {h.version()}" if hasattr(h, "version") else "HiGHS",
+              "status": status, "units": n, "binaries": n * len(algos) + len(before),
+              "objective_s": float(info.objective_function_value), "bound_s": float(info.mip_dual_bound),
+              "gap": float(info.mip_gap) if math.isfinite(info.mip_gap) else None,
+              "warm_objective_s": values[period], "seconds": wall, "time_limit_s": float(time_limit_s)}
+    solution = h.getSolution().col_value
+    order_units = sorted(range(n), key=lambda u: (solution[int(start[u].index)], u))
+    order = [(g, i) for u in order_units for g, i, _ in units[u]]
+    picked = {}
+    for u in range(n):
+        a = max(range(len(algos)), key=lambda k: solution[int(choose[u][k].index)])
+        for g, i, _ in units[u]:
+            picked[f"{g}#{i}"] = algos[a]
+    return order, picked, report
+
+
+# --------------------------------------------------------------------------- search
+def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = None, *,
+              time_limit_s: float | None = None) -> PlanResult:
+    """Search the plan with the shortest simulated step for ``profile`` on ``topology``.
+
+    ``time_limit_s`` overrides ``search.time_limit_s`` (the MILP's budget). The result
+    is never slower in the simulator than the best greedy (EDD) plan of the grid.
+    """
+    search = search or PlanSearch.for_profile(profile)
+    if time_limit_s is not None:
+        search = PlanSearch(**{**search.__dict__, "time_limit_s": float(time_limit_s)})
+    started = time.monotonic()
+    two_level = topology.nodes > 1 and topology.ranks_per_node > 1
+    rules = search.algorithm_rules or (ALGORITHM_RULES if two_level else ("ring",))
+    steps = search.simulated_steps
+    settings = SimSettings(steps=steps)
+    stages: list[dict[str, Any]] = []
+    scored = [0]
+
+    reference = simulate(profile, topology, "dynamic", settings)
+    stages.append({"stage": "dynamic", "step_time_s": reference.step_time_s,
+                   "what": "runtime default: 1 MiB pieces, 4 MiB credit, flat ring, no fusion, EDD order"})
+
+    # stage 1: greedy (EDD) over the grid
+    greedy: list[tuple[float, dict[str, Any], Plan, SimResult]] = []
+    for fusion in search.fusions:
+        for partition in search.partitions:
+            groups = make_groups(profile, fusion, partition)
+            for rule in rules:
+                for credit in search.credits:
+                    plan, result = greedy_plan(profile, topology, groups, credit, rule, steps)
+                    scored[0] += 1
+                    knobs = {"fusion_bytes": fusion, "partition_bytes": partition, "algorithm": rule,
+                             "credit_bytes": credit}
+                    greedy.append((result.step_time_s, knobs, plan, result))
+    greedy.sort(key=lambda item: item[0])
+    best_time, best_knobs, best_plan, best_result = greedy[0]
+    ring_only = [g for g in greedy if g[1]["algorithm"] == "ring"]
+    unfused = [g for g in ring_only if g[1]["fusion_bytes"] == 0]
+    if unfused:
+        stages.append({"stage": "greedy: piece size and credit", "step_time_s": unfused[0][0],
+                       "what": "EDD, flat ring, no fusion; best of the size x credit grid", "knobs": unfused[0][1]})
+    if ring_only:
+        stages.append({"stage": "greedy: + fusion", "step_time_s": ring_only[0][0],
+                       "what": "EDD, flat ring; best with fusion of small tensors", "knobs": ring_only[0][1]})
+    stages.append({"stage": "greedy: + algorithm", "step_time_s": best_time,
+                   "what": "EDD; the algorithm per piece as well", "knobs": best_knobs})
+    greedy_best = best_time
+
+    # stage 2: each group's own piece size (coordinate descent, EDD order)
+    partition_of = {g.name: g.partition_bytes for g in best_plan.groups}
+    for _ in range(search.size_rounds):
+        improved = False
+        largest = sorted(best_plan.groups, key=lambda g: -best_plan.group_numel(g) * best_plan.group_element_size(g))
+        for g in largest[:search.size_groups]:
+            numel_bytes = best_plan.group_numel(g) * best_plan.group_element_size(g)
+            for factor in (0.25, 4.0):
+                size = int(partition_of[g.name] * factor)
+                if size < 64 * KIB or (factor > 1 and partition_of[g.name] >= numel_bytes):
+                    continue
+                trial = dict(partition_of, **{g.name: size})
+                groups = [PlanGroup(x.name, x.tensors, trial[x.name]) for x in best_plan.groups]
+                plan, result = greedy_plan(profile, topology, groups, best_plan.credit_bytes,
+                                           best_knobs["algorithm"], steps)
+                scored[0] += 1
+                if result.step_time_s < best_time - 1e-9:
+                    best_time, best_plan, best_result, partition_of = result.step_time_s, plan, result, trial
+                    improved = True
+        if not improved:
+            break
+    stages.append({"stage": "sizes: per-tensor piece size", "step_time_s": best_time,
+                   "what": f"coordinate descent on the piece size of the {search.size_groups} largest groups "
+                           "(x1/4, x4), "
+                           "EDD order"})
+
+    # stage 3: the MILP's order and algorithms for the best configurations, then the credit again
+    solver: dict[str, Any] = {"solver": "HiGHS", "status": "not run"}
+    starts = [(best_plan, best_result)] + [(g[2], g[3]) for g in greedy[1:search.milp_candidates]]
+    budget = search.time_limit_s / max(1, len(starts))
+    solves = []
+    milp_best = math.inf
+    for warm, _ in starts:
+        groups = list(warm.groups)
+        order, algorithms, report = solve_order(profile, topology, groups, warm, budget, search.milp_units)
+        solves.append(report)
+        for credit in sorted(set(search.credits) | {warm.credit_bytes}):
+            plan = _plan(profile, topology, groups, order, algorithms, credit)
+            result = simulate(profile, topology, "planned", settings, plan=plan)
+            scored[0] += 1
+            milp_best = min(milp_best, result.step_time_s)
+            if result.step_time_s < best_time - 1e-9:
+                best_time, best_plan, best_result = result.step_time_s, plan, result
+    if solves:
+        solver = dict(solves[0], solves=solves)
+    stages.append({"stage": "milp: order and algorithm", "step_time_s": best_time,
+                   "what": "HiGHS MILP order/algorithm per unit, then the credit; kept only where the simulator "
+                           "agrees it is faster", "milp_plan_step_s": milp_best})
+
+    for stage, prev in zip(stages[1:], stages[:-1], strict=False):
+        stage["gain_s"] = prev["step_time_s"] - stage["step_time_s"]
+    predicted = {"step_time_s": best_time, "exposed_comm_s": best_result.exposed_comm_s,
+                 "overlap_ratio": best_result.overlap_ratio, "dynamic_step_s": reference.step_time_s,
+                 "greedy_step_s": greedy_best, "milp_step_s": milp_best, "stages": stages,
+                 "solver": {k: v for k, v in solver.items() if k != "solves"}}
+    final = Plan(model=best_plan.model, groups=best_plan.groups, pieces=best_plan.pieces,
+                 credit_bytes=best_plan.credit_bytes, nodes=best_plan.nodes, ranks_per_node=best_plan.ranks_per_node,
+                 topology=topology.to_dict(), predicted=predicted,
+                 meta={"profile_source": profile.source, "made_by": "commsched plan", "search": {
+                     "partitions": list(search.partitions), "credits": list(search.credits),
+                     "fusions": list(search.fusions), "algorithm_rules": list(rules),
+                     "time_limit_s": search.time_limit_s}})
+    return PlanResult(plan=final, predicted=best_result, stages=stages, solver=solver, candidates=scored[0],
+                      seconds=time.monotonic() - started)

@@ -1,0 +1,190 @@
+"""The planner: fusion groups, the greedy (EDD) baseline, the MILP, the search, and ``commsched plan``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from commsched.costmodel.collectives import allreduce_s
+from commsched.costmodel.planner import PlanSearch, greedy_plan, make_groups, make_plan, solve_order
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+from commsched.costmodel.simulator import SimSettings, simulate
+from commsched.costmodel.topology import Link, Topology
+from commsched.plan import Plan, PlanGroup, PlanMismatch, PlannedTensor
+
+KB, MB = 1 << 10, 1 << 20
+# A small search, so each test takes well under a second.
+QUICK = PlanSearch(partitions=(256 * KB, 1 * MB, 4 * MB), credits=(1 * MB, 8 * MB), fusions=(0, 256 * KB),
+                   time_limit_s=1.0, size_rounds=1, size_groups=3)
+
+
+def flat(world: int = 2, bandwidth: float = 125e6, alpha: float = 50e-6) -> Topology:
+    link = Link(alpha_s=alpha, bandwidth=bandwidth)
+    return Topology(nodes=world, ranks_per_node=1, intra=link, inter=link)
+
+
+def two_level(inter: float = 62.5e6, intra: float = 2e9, alpha: float = 50e-6) -> Topology:
+    return Topology(nodes=2, ranks_per_node=2, intra=Link(alpha, intra), inter=Link(alpha, inter))
+
+
+def model(sizes: list[list[int]], fwd: float = 0.01, bwd: float = 0.02, apply: float = 0.001) -> Profile:
+    """Layers of tensors of the given byte sizes (float32)."""
+    layers = tuple(LayerProfile(name=f"l{i}", forward_s=fwd, backward_s=bwd, apply_s=apply,
+                                tensors=tuple(TensorSpec(f"l{i}.t{j}", n // 4, 4) for j, n in enumerate(layer)))
+                   for i, layer in enumerate(sizes))
+    return Profile(layers=layers, per_piece_cpu_s=10e-6)
+
+
+MIXED = model([[2 * MB, 4 * KB], [8 * KB, 16 * KB], [6 * MB, 4 * KB], [4 * KB, 4 * KB], [3 * MB, 8 * KB]])
+
+
+# ---------------------------------------------------------------- groups
+def test_small_adjacent_tensors_fuse_up_to_the_threshold_and_large_ones_stay_alone():
+    groups = make_groups(MIXED, 20 * KB, 1 * MB)
+    members = [g.tensors for g in groups]
+    assert ("l0.t0",) in members and ("l2.t0",) in members and ("l4.t0",) in members
+    assert ("l0.t1", "l1.t0") in members  # 4 + 8 KB; adding 16 KB would pass 20 KB
+    assert all(sum(MIXED.layers[int(n[1])].tensors[int(n[-1])].nbytes for n in g.tensors) <= 20 * KB
+               for g in groups if g.fused)
+    flat_names = [n for g in groups for n in g.tensors]
+    assert flat_names == [t.name for layer in MIXED.layers for t in layer.tensors]  # each once, in order
+    assert all(len(g.tensors) == 1 for g in make_groups(MIXED, 0, 1 * MB))
+
+
+def test_tensors_of_different_element_sizes_never_share_a_buffer():
+    layers = (LayerProfile("a", 0.01, 0.01, (TensorSpec("a.w", 100, 4), TensorSpec("a.h", 100, 2))),)
+    groups = make_groups(Profile(layers=layers), 1 * MB, 1 * MB)
+    assert [g.tensors for g in groups] == [("a.w",), ("a.h",)]
+
+
+# ---------------------------------------------------------------- greedy
+def test_the_greedy_plan_replays_dynamic_exactly_when_it_makes_the_same_choices():
+    settings = SimSettings(partition_bytes=1 * MB, credit_bytes=4 * MB, steps=4)
+    topo = flat()
+    plan, result = greedy_plan(MIXED, topo, make_groups(MIXED, 0, 1 * MB), 4 * MB, "ring", steps=4)
+    dynamic = simulate(MIXED, topo, "dynamic", settings)
+    assert result.step_time_s == pytest.approx(dynamic.step_time_s, rel=1e-9)
+    assert list(plan.piece_names) == dynamic.issue_order
+    assert all(p.algorithm == "ring" for p in plan.pieces)
+
+
+def test_best_rule_picks_the_two_level_algorithm_where_the_model_says_it_is_faster():
+    topo = two_level()
+    plan, _ = greedy_plan(MIXED, topo, make_groups(MIXED, 0, 1 * MB), 4 * MB, "best")
+    for piece in plan.pieces:
+        nbytes = plan.piece_bytes(piece)
+        faster = allreduce_s(topo, nbytes, "hierarchical") < allreduce_s(topo, nbytes, "ring")
+        assert piece.algorithm == ("hierarchical" if faster else "ring")
+
+
+# ------------------------------------------------------------------ MILP
+def test_the_milp_waits_for_an_urgent_tensor_where_edd_without_preemption_would_not():
+    # Layer 1's 6 MB gradient (50 ms on the link) is ready first; layer 0's small one 20 ms
+    # later, but the next forward needs it first and layer 0's forward is long (50 ms).
+    # EDD starts the big one at once (nothing else is ready) and the small one waits behind
+    # it (next forward ends at ~102 ms); the optimum idles 20 ms, sends the small one, then
+    # the big one, which ends during layer 0's forward (~73 ms).
+    layers = (LayerProfile("l0", forward_s=0.05, backward_s=0.02, tensors=(TensorSpec("l0.w", 1024, 4),)),
+              LayerProfile("l1", forward_s=0.001, backward_s=0.001, tensors=(TensorSpec("l1.w", 6 * MB // 4, 4),)))
+    prof = Profile(layers=layers, per_piece_cpu_s=0.0)
+    topo = flat(alpha=0.0)
+    groups = make_groups(prof, 0, 64 * MB)
+    warm, warm_result = greedy_plan(prof, topo, groups, 64 * MB, "ring")
+    assert [p.task for p in warm.pieces] == ["l1.w", "l0.w"]
+    order, algorithms, report = solve_order(prof, topo, groups, warm, time_limit_s=5.0)
+    assert [task for task, _ in order] == ["l0.w", "l1.w"]
+    assert report["objective_s"] < report["warm_objective_s"] - 0.01
+    assert report["status"] == "Optimal" and report["gap"] is not None and report["gap"] <= 1e-3
+    milp = Plan(warm.model, warm.groups, tuple(type(warm.pieces[0])(t, i, algorithms[f"{t}#{i}"]) for t, i in order),
+                warm.credit_bytes, warm.nodes, warm.ranks_per_node)
+    assert simulate(prof, topo, "planned", plan=milp).step_time_s < warm_result.step_time_s - 0.01
+
+
+def test_the_milp_reports_a_gap_and_keeps_the_warm_start_at_its_time_limit():
+    prof = model([[1 * MB]] * 12)
+    groups = make_groups(prof, 0, 256 * KB)
+    warm, _ = greedy_plan(prof, two_level(), groups, 4 * MB, "ring")
+    _, _, report = solve_order(prof, two_level(), groups, warm, time_limit_s=0.3, max_units=24)
+    assert report["units"] <= 24
+    assert report["objective_s"] <= report["warm_objective_s"] + 1e-9
+    assert report["bound_s"] <= report["objective_s"] + 1e-9
+    assert report["time_limit_s"] == 0.3
+
+
+# ---------------------------------------------------------------- search
+@pytest.mark.parametrize("topo", [flat(), flat(4, 1.25e9), two_level(), two_level(intra=100e6)],
+                         ids=["flat-1gbit", "flat-10gbit", "2x2", "2x2-slow-intra"])
+def test_the_plan_is_never_slower_in_the_model_than_dynamic_or_the_best_greedy_plan(topo):
+    result = make_plan(MIXED, topo, QUICK)
+    stages = {s["stage"]: s["step_time_s"] for s in result.stages}
+    assert result.step_time_s <= stages["dynamic"] + 1e-12
+    assert result.step_time_s <= stages["greedy: + algorithm"] + 1e-12
+    assert result.step_time_s == pytest.approx(simulate(MIXED, topo, "planned", plan=result.plan).step_time_s)
+    assert result.plan.predicted["step_time_s"] == pytest.approx(result.step_time_s)
+    if topo.nodes == 1 or topo.ranks_per_node == 1:
+        assert {p.algorithm for p in result.plan.pieces} == {"ring"}
+
+
+def test_on_two_nodes_with_a_slow_network_the_two_level_algorithm_carries_the_gain():
+    prof = model([[4 * MB], [4 * MB], [4 * MB]], fwd=0.005, bwd=0.01)
+    result = make_plan(prof, two_level(), QUICK)
+    gains = {s["stage"]: s.get("gain_s", 0.0) for s in result.stages}
+    assert gains["greedy: + algorithm"] > 0.1 * result.stages[0]["step_time_s"]
+    assert {p.algorithm for p in result.plan.pieces} == {"hierarchical"}
+
+
+def test_a_plan_round_trips_and_refuses_edits_and_other_models(tmp_path):
+    result = make_plan(MIXED, flat(), QUICK)
+    path = tmp_path / "plan.json"
+    result.plan.to_json(str(path))
+    again = Plan.from_json(str(path))
+    assert again.digest == result.plan.digest and again.piece_names == result.plan.piece_names
+    data = json.loads(path.read_text())
+    data["pieces"][0], data["pieces"][1] = data["pieces"][1], data["pieces"][0]
+    with pytest.raises(ValueError, match="digest"):
+        Plan.from_dict(data)
+    other = [PlannedTensor(t.name, t.numel + (t.name == "l2.t0"), 4) for layer in MIXED.layers for t in layer.tensors]
+    with pytest.raises(PlanMismatch, match="l2.t0"):
+        again.check_model(other)
+
+
+def test_bad_search_settings_name_the_field():
+    with pytest.raises(ValueError, match="partitions"):
+        PlanSearch(partitions=())
+    with pytest.raises(ValueError, match="algorithm_rules"):
+        PlanSearch(algorithm_rules=("tree",))
+    with pytest.raises(ValueError, match="time_limit_s"):
+        PlanSearch(time_limit_s=0)
+    with pytest.raises(ValueError, match="fused group"):
+        Plan(model=(PlannedTensor("a", 4, 4), PlannedTensor("b", 4, 2)),
+             groups=(PlanGroup("fused[a..b](2)", ("a", "b"), MB),), pieces=(), credit_bytes=MB)
+
+
+# ------------------------------------------------------------------- CLI
+def test_commsched_plan_writes_a_plan_the_simulator_executes(tmp_path):
+    prof_path, plan_path = tmp_path / "profile.json", tmp_path / "plan.json"
+    MIXED.to_json(str(prof_path))
+    run = subprocess.run([sys.executable, "-m", "commsched", "plan", "--profile", str(prof_path), "--workers", "4",
+                          "--nodes", "2", "--bandwidth", "500mbit", "--json", str(plan_path), "--time-limit", "1",
+                          "--partitions-mb", "0.25,1,4", "--credits-mb", "1,8", "--fusions-mb", "0,0.25"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "| milp: order and algorithm |" in run.stdout and "solver: HiGHS" in run.stdout
+    assert "Running HiGHS" not in run.stdout  # the solver's banner stays off the report
+    plan = Plan.from_json(str(plan_path))
+    assert plan.nodes == 2 and plan.ranks_per_node == 2
+    sim = subprocess.run([sys.executable, "-m", "commsched", "simulate", "--profile", str(prof_path), "--workers", "4",
+                          "--nodes", "2", "--bandwidth", "500mbit", "--strategies", "dynamic,planned",
+                          "--plan", str(plan_path)], capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    assert "| planned |" in sim.stdout
+
+
+def test_commsched_plan_refuses_bad_flags_with_exit_2(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "commsched", "plan", "--model", "resnet50", "--cluster", "2x2",
+                          "--json", str(tmp_path / "p.json"), "--partitions-mb", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--partitions-mb" in run.stderr
