@@ -41,18 +41,28 @@ Guarantees of :func:`plan` (tested in ``tests/core/test_planner.py``):
 4. the queue is work-conserving: it never idles while the most urgent ready
    piece fits;
 5. the result is a pure function of the arguments (identical on every worker).
+
+With ``ordering="planned"`` and ``plan=`` a :class:`commsched.plan.Plan`, the replay
+drives :class:`~commsched.policy.PlannedPolicy`: each tensor is a plan *group* (named
+as the group), cut at that group's piece size (``PlannedPolicy.bounds_for``), and the
+issue order is the plan's piece order (guarantee 3 then reads: a piece starts no
+earlier than it is ready and no earlier than the plan's previous piece); each piece
+records the plan's ``algorithm``; ``partition_bytes`` is then only recorded.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from commsched.config import ORDERINGS
 from commsched.partition import piece_bounds
 from commsched.policy import Unstarted, replay_policy
 from commsched.task import Piece, Task
+
+if TYPE_CHECKING:
+    from commsched.plan import Plan as CommPlan
 
 __all__ = ["CostModel", "Plan", "PlannedPiece", "PlanTensor", "backward_ready_times", "plan"]
 
@@ -106,6 +116,7 @@ class PlannedPiece:
     ready: float
     issue: float
     finish: float
+    algorithm: str = "ring"  # the plan's, under ordering="planned"
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -166,7 +177,8 @@ def backward_ready_times(nbytes: Sequence[int], cost: CostModel | None = None) -
 
 
 def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int, *,
-         slots: int | None = None, ordering: str = "dynamic", cost: CostModel | None = None) -> Plan:
+         slots: int | None = None, ordering: str = "dynamic", cost: CostModel | None = None,
+         plan: "CommPlan | None" = None) -> Plan:
     """Replay the priority-and-credit queue and return the order it issues pieces in.
 
     Args:
@@ -176,8 +188,11 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
         ordering: ``"dynamic"`` or ``"static"`` (priority among ready pieces; both
             give the same offline order) or ``"fifo"`` (ready order, priority ignored).
         cost: the link model (default :class:`CostModel`).
+        plan: with ``ordering="planned"``, the :class:`commsched.plan.Plan` to replay;
+            ``tensors`` are then its groups, by group name (see the module docstring).
 
-    Raises ``ValueError`` for sizes or slots that are not positive or an unknown ordering.
+    Raises ``ValueError`` for sizes or slots that are not positive or an unknown ordering;
+    :class:`~commsched.errors.OrderAgreementError` for a tensor the plan has no group for.
     """
     if ordering not in ORDERINGS:
         raise ValueError(f"ordering={ordering!r} is not a known ordering; use one of {', '.join(ORDERINGS)}")
@@ -185,8 +200,11 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
         raise ValueError(f"partition_bytes and credit_bytes must be positive, got {partition_bytes}, {credit_bytes}")
     if slots is not None and slots < 1:
         raise ValueError(f"slots={slots!r} must be at least 1 (or None for no limit)")
+    if (plan is None) != (ordering != "planned"):
+        raise ValueError("replay: ordering='planned' needs plan=<a commsched.plan.Plan>, and plan= is only read "
+                         f"with ordering='planned' (got ordering={ordering!r})")
     cost = cost or CostModel()
-    policy = replay_policy(ordering, credit_bytes)  # the scheduler's own rule, on a modelled clock
+    policy = replay_policy(ordering, credit_bytes, plan)  # the scheduler's own rule, on a modelled clock
     unstarted = Unstarted()  # (the policy needs it to look up pieces only when agreeing with rank 0)
 
     # Submission order: tensors enter the queue as they become ready (stable on ties).
@@ -208,8 +226,13 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
             t = tensors[i]
             task = Task(name=t.name, tensor=i, priority=t.priority, step=0, seq=seq_of[i], future=None,
                         on_done=None, submitted_us=0.0)  # the scheduler's own types; tensor: its index here
-            for index, (lo, hi) in enumerate(piece_bounds(t.numel, t.element_size, partition_bytes)):
-                policy.add(Piece(task, index, lo, hi, (hi - lo) * t.element_size, None, f"{t.name}#{index}"))
+            bounds = policy.bounds_for(t.name, t.numel, t.element_size)  # planned: the group's piece size
+            if bounds is None:
+                bounds = piece_bounds(t.numel, t.element_size, partition_bytes)
+            for index, (lo, hi) in enumerate(bounds):
+                name = f"{t.name}#{index}"
+                policy.add(Piece(task, index, lo, hi, (hi - lo) * t.element_size, None, name,
+                                 algorithm=policy.algorithm_of(name)))
             next_arrival += 1
 
     while True:
@@ -240,7 +263,7 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
             t = tensors[piece.task.tensor]
             out.append(PlannedPiece(tensor=piece.task.tensor, index=piece.index, name=piece.name, start=piece.start,
                                     stop=piece.stop, nbytes=piece.nbytes, priority=t.priority, seq=piece.task.seq,
-                                    slot=slot, ready=t.ready, issue=now, finish=finish))
+                                    slot=slot, ready=t.ready, issue=now, finish=finish, algorithm=piece.algorithm))
         events = []
         if next_arrival < len(arrival):
             events.append(tensors[arrival[next_arrival]].ready)
@@ -249,5 +272,12 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
         if not events:
             break
         now = max(now, min(events))
+    if plan is not None and len(out) != len(plan.pieces):
+        from commsched.errors import OrderAgreementError
+
+        given = {t.name for t in tensors}
+        missing = [g.name for g in plan.groups if g.name not in given] or sorted({p.task for p in plan.pieces})
+        raise OrderAgreementError(f"replay: no gradient was given for the plan's groups {missing[:10]}; a plan "
+                                  "reduces every one of its groups every step")
     return Plan(pieces=tuple(out), credit_bytes=credit_bytes, partition_bytes=partition_bytes, slots=slots,
                 ordering=ordering)
