@@ -5,7 +5,8 @@
 * :func:`DistributedGradientTape` wraps a ``tf.GradientTape`` for custom loops and
   returns gradients already averaged across workers;
 * :func:`unroll` runs several steps in one ``tf.function`` so that the next
-  forward overlaps the previous step's communication.
+  forward overlaps the previous step's communication;
+* :func:`plan_model` lists the variables as ``ordering="planned"`` names them.
 
 Pieces are reduced with TF collective ops (``backend="collective"``, the default outside horovodrun) or
 Horovod (``backend="horovod"``), in an order that :mod:`commsched.replay` fixes in
@@ -18,8 +19,8 @@ except ImportError as exc:  # the framework is an extra: say which one to instal
     raise ImportError(f"commsched.plugins.tensorflow needs TensorFlow, which did not import ({exc}); "
                       "install it with: pip install commsched[tensorflow]") from exc
 
-from commsched.plugins.tensorflow.functions import unroll
+from commsched.plugins.tensorflow.functions import plan_model, unroll
 from commsched.plugins.tensorflow.optimizer import DistributedOptimizer
 from commsched.plugins.tensorflow.tape import DistributedGradientTape
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "unroll"]
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "plan_model", "unroll"]

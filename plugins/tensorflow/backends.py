@@ -15,16 +15,22 @@ each of the plan's slots (chains):
 * :class:`HorovodBackend` uses ``horovod.tensorflow.allreduce``; Horovod matches
   tensors across ranks by name, and an explicit control dependency per slot keeps
   the window.
+
+:meth:`CollectiveBackend.all_gather_object` exchanges a small JSON-able object between
+the workers, eagerly, once before the first step (``ordering="planned"`` compares the
+plan's digest with it: :func:`commsched.plan_agreement.agree_on_plan`).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-from commsched.errors import HorovodUnavailable
+from commsched.errors import CommschedTimeout, HorovodUnavailable
 from commsched.plugins.tensorflow import keys
 
 __all__ = ["ABORT_STAGGER_S", "BACKENDS", "CollectiveBackend", "HorovodBackend", "ReplicaGroup", "make_backend",
@@ -119,6 +125,39 @@ class CollectiveBackend:
                 communication_hint=self.communication_hint,
                 timeout_seconds=self.timeout_s + slot * ABORT_STAGGER_S,
                 name="commsched_" + _op_name(name))
+
+
+    def all_gather_object(self, obj: Any, group: ReplicaGroup) -> list[Any]:
+        """Every worker's ``obj`` (JSON-able), by rank, on every worker; run eagerly (also when
+        called while a ``tf.function`` is traced: it leaves the graph with ``tf.init_scope``).
+
+        Two collectives on commsched's group: the longest encoding (``Max``), then a sum of
+        one row per rank, each zero but the sender's. Each waits at most ``timeout_s``; a
+        worker that never joins (dead, or not running the same code) is a
+        :class:`~commsched.errors.CommschedTimeout`.
+        """
+        data = json.dumps(obj, sort_keys=True).encode()
+        if group.size == 1:
+            return [json.loads(data)]
+        with tf.init_scope(), tf.device(group.device):
+            start = keys.reserve(2)
+            try:
+                longest = self._eager_reduce(tf.constant([len(data)], tf.int32), group, start, 0, "Max")
+                rows = np.zeros((group.size, int(longest.numpy()[0]) + 1), np.int32)
+                rows[group.rank, 0] = len(data)
+                rows[group.rank, 1:1 + len(data)] = np.frombuffer(data, np.uint8)
+                rows = self._eager_reduce(tf.constant(rows), group, start, 1, "Add").numpy()
+            except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError, tf.errors.CancelledError) as exc:
+                raise CommschedTimeout(f"worker {group.rank} exchanging its plan check with the other workers (does "
+                                       "every worker run ordering='planned' with a plan, and is it alive?) "
+                                       f"[{type(exc).__name__}]", self.timeout_s) from None
+        return [json.loads(bytes(row[1:1 + row[0]].astype(np.uint8).tobytes()).decode()) for row in rows]
+
+    def _eager_reduce(self, value: tf.Tensor, group: ReplicaGroup, start: Any, k: int, merge: str) -> tf.Tensor:
+        return tf.raw_ops.CollectiveReduceV2(
+            input=value, group_size=group.size, group_key=keys.GROUP_KEY, instance_key=keys.instance_key(start, k),
+            ordering_token=[], merge_op=merge, final_op="Id", communication_hint=self.communication_hint,
+            timeout_seconds=self.timeout_s, name="commsched_plan_check")
 
 
 class HorovodBackend:

@@ -1,4 +1,5 @@
-"""``unroll``: several training steps in one ``tf.function``, for cross-iteration overlap.
+"""Public helpers: ``unroll`` (several training steps in one ``tf.function``, for
+cross-iteration overlap) and ``plan_model`` (the model as a plan names it).
 
 Separate ``tf.function`` calls cannot overlap: each call returns only when all of
 its ops finished, so step t+1's forward cannot start while step t's last
@@ -7,15 +8,30 @@ t+1's layer ``i`` waits for is the update of layer ``i``'s own variables (the
 graph orders reads of a variable after its last write, and nothing else), so
 the next forward starts while later layers still communicate. The result is
 the same training, bit for bit: the ops are the same, only their overlap changes.
+
+``ordering="planned"`` checks a plan against the gradients by the names commsched
+gives them (``"<index>:<variable path>"``, see ``reduction.variable_name``);
+:func:`plan_model` lists a model's variables under those names, to make a plan by hand
+or to see what a plan made elsewhere must call them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import tensorflow as tf
 
-__all__ = ["unroll"]
+from commsched.plan import PlannedTensor
+from commsched.plugins.tensorflow.reduction import planned_tensor, variable_name
+
+__all__ = ["plan_model", "unroll"]
+
+
+def plan_model(variables: Iterable[Any]) -> list[PlannedTensor]:
+    """The plan's model entries for ``variables`` (pass ``model.trainable_variables``, in that
+    order, as the optimizer and the tape see them): the names ``ordering="planned"`` checks
+    a plan against, with element count, element size, shape and dtype."""
+    return [planned_tensor(variable_name(v, i), v) for i, v in enumerate(variables)]
 
 
 def unroll(step_fn: Callable[..., Any], n: int, *, jit_compile: bool | None = None) -> Callable[..., list[Any]]:

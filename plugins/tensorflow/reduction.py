@@ -19,6 +19,17 @@ gradient tape call, at trace time, in the replica context:
    reshaped. Nothing else depends on them, so each variable's update (emitted
    by the optimizer after this returns) fires as soon as its own pieces land.
 
+With ``ordering="planned"`` (a :class:`commsched.plan.Plan`, ``config.plan``) steps 1-3
+come from the plan: before the first reduction every worker checks the plan against
+its gradients (names as :func:`variable_name` gives them, shapes, dtypes) and the world
+size, and agrees on its digest with the others (:mod:`commsched.plan_agreement`, over
+the backend's ``all_gather_object``): a mismatch anywhere is a ``PlanMismatch`` on every
+worker. Then each plan group (one gradient, or several small ones concatenated into one
+flat buffer and split again after the reduction) is cut at its own piece size and the
+pieces are written in the plan's order (the replay drives ``PlannedPolicy``), on
+``max(1, credit_bytes // largest piece)`` slots. Pieces planned ``"hierarchical"`` run as
+ring all-reduces (TF collective ops here have no two-level algorithm; a warning says so).
+
 Gradients returned here are remembered (weakly) as *reduced*: the optimizer
 wrapper passes them through untouched, which is what makes
 ``DistributedGradientTape`` + ``DistributedOptimizer`` safe from a double reduction.
@@ -26,7 +37,9 @@ wrapper passes them through untouched, which is what makes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import threading
 import weakref
 from typing import Any, Sequence
@@ -35,12 +48,15 @@ import tensorflow as tf
 
 from commsched.config import SchedulerConfig, check_config
 from commsched.errors import SchedulerClosed
+from commsched.plan import Plan as CommPlan
+from commsched.plan import PlanMismatch, PlannedTensor
+from commsched.plan_agreement import agree_on_plan, check_plan
 from commsched.replay import Plan, PlanTensor, backward_ready_times, plan
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
 from commsched.plugins.tensorflow.tensor_ops import check_gradient, dense, join_pieces
 from commsched.timeline import Timeline
 
-__all__ = ["GradientReducer", "OPS", "is_reduced", "mark_reduced", "slots_for", "variable_name"]
+__all__ = ["GradientReducer", "OPS", "is_reduced", "mark_reduced", "planned_tensor", "slots_for", "variable_name"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +66,19 @@ _reduced: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary(
 _reduced_lock = threading.Lock()
 _timelines: dict[str, tuple[Timeline, list[float]]] = {}  # path -> (timeline, [end of the last plan, us])
 _timelines_lock = threading.Lock()
+# Plans every worker agreed on, by (plan source, this run's gradients, world size): the agreement
+# is a collective, made once per process and plan, so a retrace or a new tape per trace on one
+# worker (which the others may not do) never waits for the others.
+_agreed: dict[tuple, CommPlan] = {}
+_agreed_lock = threading.Lock()
+
+
+class _TracedPlanMismatch(PlanMismatch):
+    """A :class:`~commsched.plan.PlanMismatch` that stays one when raised while a ``tf.function``
+    is traced: AutoGraph re-creates such an error with its own message only if the class
+    takes ``Exception``'s constructor, and turns any other into a ``StagingError``."""
+
+    __init__ = Exception.__init__
 
 
 def mark_reduced(tensor: Any) -> None:
@@ -93,8 +122,18 @@ class GradientReducer:
         self.op = op
         self.slots = slots_for(self.config)
         self.plans: list[Plan] = []
+        #: with ``ordering="planned"``: the :class:`commsched.plan.Plan` every worker agreed on (None before)
+        self.plan: CommPlan | None = None
         self.closed = False
         self._traces = 0
+        if self.config.ordering == "planned":
+            if self.config.plan is None:
+                raise ValueError("ordering='planned' on TensorFlow needs a plan: SchedulerConfig(ordering='planned', "
+                                 "plan='plan.json') (make one with `commsched plan --profile P --topology T --json "
+                                 "plan.json`); planning in-process from the first steps is not supported here")
+            if self.backend.name != "collective":
+                raise ValueError(f"ordering='planned' on TensorFlow runs on backend='collective' (TF collective ops), "
+                                 f"not {self.backend.name!r}; with Horovod use ordering='dynamic'")
 
     def close(self) -> None:
         """Refuse further reductions. Idempotent. (TF's collectives hold no thread or
@@ -122,6 +161,10 @@ class GradientReducer:
         todo = [i for i, g in enumerate(grads) if g is not None and not is_reduced(g)]
         if not todo:
             return grads
+        planned = None
+        if self.config.ordering == "planned":
+            absent = [names[i] for i, g in enumerate(grads) if g is None]
+            planned = self._agree(grads, names, todo, absent, group)
         if group.size == 1 and self.backend.name == "collective":
             # Nothing to communicate; a mean over one replica is the gradient itself.
             out = list(grads)
@@ -134,7 +177,10 @@ class GradientReducer:
             value = dense(grads[i])
             check_gradient(names[i], value)
             values.append(value)
-        reduced = self._reduce_dense(values, [names[i] for i in todo], group)
+        if planned is not None:
+            reduced = self._reduce_planned(values, [names[i] for i in todo], group, planned)
+        else:
+            reduced = self._reduce_dense(values, [names[i] for i in todo], group)
         out = list(grads)
         for i, value in zip(todo, reduced, strict=True):
             out[i] = value
@@ -161,23 +207,94 @@ class GradientReducer:
                               priority=i, ready=ready[i]) for i, v in enumerate(values)]
         schedule = plan(tensors, self.config.partition_bytes, self.config.credit_bytes, slots=self.slots,
                         ordering=self.config.ordering)
+        pieces = self._issue(schedule, [tf.reshape(v, [-1]) for v in values], group)
+        return [join_pieces(p, v) if p else v for p, v in zip(pieces, values, strict=True)]
+
+    def _reduce_planned(self, values: list[tf.Tensor], names: list[str], group: ReplicaGroup,
+                        commplan: CommPlan) -> list[tf.Tensor]:
+        """The plan's groups, cut at their piece sizes, in the plan's order; a fused group is one
+        flat buffer (``tf.concat`` of its members) reduced in pieces, then split back."""
+        where = {name: k for k, name in enumerate(names)}
+        ready = backward_ready_times([int(v.shape.num_elements()) * v.dtype.size for v in values])
+        members = [[where[t] for t in g.tensors] for g in commplan.groups]
+        tensors = [PlanTensor(name=g.name, numel=commplan.group_numel(g), element_size=commplan.group_element_size(g),
+                              priority=min(m), ready=max(ready[i] for i in m))
+                   for g, m in zip(commplan.groups, members, strict=True)]
+        schedule = plan(tensors, self.config.partition_bytes, commplan.credit_bytes, slots=self.slots,
+                        ordering="planned", plan=commplan)
+        flats = [tf.reshape(values[m[0]], [-1]) if len(m) == 1 else
+                 tf.concat([tf.reshape(values[i], [-1]) for i in m], axis=0) for m in members]
+        pieces = self._issue(schedule, flats, group)
+        out: list[tf.Tensor | None] = [None] * len(values)
+        for m, flat, reduced in zip(members, flats, pieces, strict=True):
+            joined = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0) if reduced else flat
+            parts = [joined] if len(m) == 1 else tf.split(joined, [int(values[i].shape.num_elements()) for i in m])
+            for i, part in zip(m, parts, strict=True):
+                out[i] = tf.reshape(part, values[i].shape)
+        return out
+
+    def _issue(self, schedule: Plan, flats: list[tf.Tensor], group: ReplicaGroup) -> list[list[tf.Tensor]]:
+        """Write one reduction per piece of ``schedule`` (over ``flats[piece.tensor]``), in its order,
+        on its slots; returns each flat tensor's reduced pieces in element order."""
         self.plans.append(schedule)
         del self.plans[:-8]
         keys_start = self.backend.reserve(len(schedule.pieces))
-        flats = [tf.reshape(v, [-1]) for v in values]
-        pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor(len(values))]
+        pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor(len(flats))]
         last_on_slot: dict[int, tf.Tensor] = {}
         for k, piece in enumerate(schedule.pieces):
-            value = values[piece.tensor]
             flat = flats[piece.tensor]
-            whole = piece.start == 0 and piece.stop == int(value.shape.num_elements())
+            whole = piece.start == 0 and piece.stop == int(flat.shape.num_elements())
             part = flat if whole else flat[piece.start:piece.stop]
             result = self.backend.reduce(part, group=group, slot=piece.slot, keys_start=keys_start, index=k,
                                          name=piece.name, op=self.op, previous=last_on_slot.get(piece.slot))
             last_on_slot[piece.slot] = result
             pieces[piece.tensor][piece.index] = result
         self._record(schedule, group)
-        return [join_pieces(p, v) if p else v for p, v in zip(pieces, values, strict=True)]
+        return pieces
+
+    def _agree(self, grads: list[Any], names: list[str], todo: list[int], absent: list[str],
+               group: ReplicaGroup) -> CommPlan:
+        """``ordering="planned"``: the plan, checked against these gradients and the world and agreed
+        on by every worker (once per process, plan and model); ``PlanMismatch`` on every worker else."""
+        source = self.config.plan
+        entries = tuple(planned_tensor(names[i], dense(grads[i])) for i in todo)
+        key = (source.digest if isinstance(source, CommPlan) else source, entries, group.size)
+        with _agreed_lock:
+            agreed = _agreed.get(key)
+        if agreed is None:
+            found: CommPlan | BaseException
+            if absent:
+                found = ValueError(f"variables {absent[:5]} have no gradient (None) in this step; ordering='planned' "
+                                   "reduces every planned gradient every step (drop them from the sources and the "
+                                   "plan, or use ordering='dynamic')")
+            else:
+                try:
+                    found = check_plan(source, entries, group.size)
+                except (ValueError, OSError) as exc:  # PlanMismatch is a ValueError too
+                    found = exc
+            gather = None
+            if group.size > 1:
+                def gather(mine: dict) -> list[dict]:
+                    return self.backend.all_gather_object(mine, group)
+            try:
+                agreed = agree_on_plan(found, rank=group.rank, world_size=group.size, gather=gather,
+                                       source=source if isinstance(source, str) else None)
+            except PlanMismatch as exc:
+                raise _TracedPlanMismatch(str(exc)) from exc
+            hierarchical = sum(p.algorithm == "hierarchical" for p in agreed.pieces)
+            if hierarchical:
+                log.warning("the plan (digest %s) has %d piece(s) planned 'hierarchical'; TensorFlow's collective ops "
+                            "have no two-level all-reduce here, so they run as ring all-reduces (order and piece "
+                            "sizes as planned; the two-level algorithm's gain is not there)",
+                            agreed.digest[:12], hierarchical)
+            with _agreed_lock:
+                _agreed[key] = agreed
+        if self.plan is not agreed:
+            self.plan = agreed
+            self.config = dataclasses.replace(self.config, plan=agreed, credit_bytes=agreed.credit_bytes)
+            largest = max((agreed.piece_bytes(p) for p in agreed.pieces), default=1)
+            self.slots = max(1, agreed.credit_bytes // max(1, largest))
+        return agreed
 
     def _record(self, schedule: Plan, group: ReplicaGroup) -> None:
         """Append the plan to the Chrome-trace timeline: modelled times, one trace after another.
@@ -205,9 +322,26 @@ class GradientReducer:
             log.warning("could not write the commsched timeline to %s: %s", timeline.path, exc)
 
 
+def planned_tensor(name: str, tensor: Any) -> PlannedTensor:
+    """The plan's entry (:class:`commsched.plan.PlannedTensor`) for a gradient or variable called
+    ``name``: element count, element size, shape and dtype name (``"float32"``, as torch's)."""
+    dtype = tf.as_dtype(tensor.dtype)
+    shape = tf.TensorShape(tensor.shape)
+    if not shape.is_fully_defined():
+        raise ValueError(f"variable {name!r} has a gradient of unknown shape {shape}; ordering='planned' needs static "
+                         "shapes (build the model with a fixed input shape before the first step)")
+    dims = tuple(int(d) for d in shape)
+    return PlannedTensor(name, int(shape.num_elements()), int(dtype.size), dims, dtype.name)
+
+
 def variable_name(variable: Any, index: int) -> str:
     """The name of the ``index``-th gradient's pieces: ``"<index>:<variable path or name>"``
-    (``"grad<index>"`` for a variable without either). The index keeps names unique
-    when two variables share a name; the name makes timelines readable."""
+    (``"grad<index>"`` for a variable without either), without TensorFlow's output suffix
+    (``":0"``), so that a Keras 3 variable (``path``, seen by the tape) and the ``tf.Variable``
+    inside it (``name``, seen by the optimizer's hook) get one name, the one a plan uses.
+    The index keeps names unique when two variables share a name; the name makes
+    timelines readable."""
     name = getattr(variable, "path", None) or getattr(variable, "name", None)
+    if isinstance(name, str):
+        name = re.sub(r":\d+$", "", name)
     return f"{index}:{name}" if name else f"grad{index}"

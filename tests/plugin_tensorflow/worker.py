@@ -11,7 +11,10 @@ Scenarios:
   gradient tape, two compiled functions plus a retrace, and the graph structure;
 * ``tf_keras``: tf-keras ``model.fit`` (run with TF_USE_LEGACY_KERAS=1) and a tf-keras
   custom loop;
-* ``die``: rank 1 leaves after one step; rank 0 must fail with a clear error.
+* ``die``: rank 1 leaves after one step; rank 0 must fail with a clear error;
+* ``planned``: ``ordering="planned"`` with a plan made from the model's variables (per-group
+  piece sizes, a fused group, its own order, one piece "hierarchical"), against stock; then a
+  plan for another model, and a plan that differs on rank 1 (both must fail on both workers).
 """
 
 from __future__ import annotations
@@ -71,14 +74,15 @@ def same_weights(a, b) -> dict:
 
 
 def custom_loop(strategy, keras, make_opt, wrap: bool, steps=STEPS, unrolled: int = 0, init=None, config=CONFIG):
-    """Train with a custom loop; stock all-reduce when not wrap, commsched when wrap."""
+    """Train with a custom loop; stock all-reduce when not wrap, commsched when wrap (``config``
+    may be a function of the model, for a plan made from its variables)."""
     with strategy.scope():
         model = make_model(keras)
         if init is not None:
             model.set_weights(init)
         opt = make_opt()
         if wrap:
-            opt = DistributedOptimizer(opt, config=config)
+            opt = DistributedOptimizer(opt, config=config(model) if callable(config) else config)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     def train_step(x, y):
@@ -325,6 +329,81 @@ def scenario_die() -> None:
     result["fail_after_s"] = time.time() - t0
 
 
+def make_test_plan(model, *, order=None, shape_change=False):
+    """kernel0 (20x48) in 1 KiB pieces, kernel1 (48x10) in 768-byte pieces, both biases fused; an
+    order of the plan's own, with one piece "hierarchical" (run as ring on TF, with a warning)."""
+    from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor, fused_name
+    from commsched.plugins.tensorflow import plan_model
+
+    entries = plan_model(model.trainable_variables)
+    if shape_change:  # another model with as many elements: kernel1 as 10x48
+        e = entries[2]
+        entries[2] = PlannedTensor(e.name, e.numel, e.element_size, (10, 48), e.dtype)
+    k0, b0, k1, b1 = (e.name for e in entries)
+    small = fused_name([b0, b1])
+    groups = (PlanGroup(k0, (k0,), 1024), PlanGroup(small, (b0, b1), 4096), PlanGroup(k1, (k1,), 768))
+    order = order or [(k1, 2), (small, 0), (k0, 3), (k1, 1), (k0, 0), (k0, 2), (k1, 0), (k0, 1)]
+    pieces = tuple(PlannedPiece(t, i, "hierarchical" if (t, i) == (k0, 1) else "ring") for t, i in order)
+    return Plan(model=tuple(entries), groups=groups, pieces=pieces, credit_bytes=2048, nodes=1, ranks_per_node=WORLD)
+
+
+def scenario_planned() -> None:
+    import logging
+
+    import keras
+
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("commsched.plugins.tensorflow.reduction").addHandler(Collect(logging.WARNING))
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        init = make_model(keras).get_weights()
+    make_opt = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    ref, _, _ = custom_loop(strategy, keras, make_opt, wrap=False, init=init)
+    plans = []
+
+    def planned(model, **kw):
+        plans.append(make_test_plan(model, **kw))
+        return commsched.SchedulerConfig(ordering="planned", plan=plans[-1], timeout_s=60)
+
+    t0 = time.time()
+    ours, opt, step = custom_loop(strategy, keras, make_opt, wrap=True, init=init, config=planned)
+    result["planned"] = same_weights(ref, ours)
+    result["planned"]["iterations"] = int(opt.iterations.numpy())
+    result["planned"]["plan_order"] = list(plans[-1].piece_names)
+    result["planned"]["graph_order"] = opt.commsched.plans[-1].order
+    result["planned"]["graph"] = graph_structure(step, opt.commsched.plans[-1], *data(0))
+    result["planned"]["sizes"] = [p.nbytes for p in opt.commsched.plans[-1].pieces]
+    result["planned"]["slots"] = opt.commsched.slots
+    result["planned"]["warnings"] = warnings
+    result["planned_s"] = time.time() - t0
+
+    # A plan for another model, and a plan that differs on rank 1: every worker must refuse.
+    def swapped(model):
+        config = planned(model)
+        if RANK == 0:
+            return config
+        order = list(config.plan.pieces)
+        order[0], order[1] = order[1], order[0]
+        return planned(model, order=[(p.task, p.index) for p in order])
+
+    from commsched.plan import PlanMismatch
+
+    for name, config in [("other_model", lambda m: planned(m, shape_change=True)), ("differs", swapped)]:
+        t0 = time.time()
+        try:
+            custom_loop(strategy, keras, make_opt, wrap=True, init=init, config=config, steps=1)
+            result[name] = {"error": None}
+        except Exception as exc:
+            result[name] = {"error": f"{type(exc).__name__}: {exc}",
+                            "is_plan_mismatch": isinstance(exc, PlanMismatch)}
+        result[name]["seconds"] = time.time() - t0
+
+
 def write() -> None:
     tmp = OUT + ".tmp"
     with open(tmp, "w") as fh:
@@ -334,7 +413,8 @@ def write() -> None:
 
 if __name__ == "__main__":
     try:
-        {"keras3": scenario_keras3, "tf_keras": scenario_tf_keras, "die": scenario_die}[SCENARIO]()
+        {"keras3": scenario_keras3, "tf_keras": scenario_tf_keras, "die": scenario_die,
+         "planned": scenario_planned}[SCENARIO]()
     except BaseException:
         result["crash"] = traceback.format_exc()
     write()
