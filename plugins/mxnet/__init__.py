@@ -8,7 +8,8 @@ pieces, within a credit window, and lets the next forward start layer by layer.
     trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {...}, kvstore=kv)
 
 Start a job on one machine with ``commsched launch mxnet --workers 2 --servers 1 --
-python train.py``. See ``commsched.plugins.mxnet.kvstore`` for the step-by-step flow.
+python train.py``. See ``commsched.plugins.mxnet.kvstore`` for the step-by-step flow, and
+:func:`plan_model` for the names ``ordering="planned"`` checks a plan against.
 """
 
 try:
@@ -17,8 +18,9 @@ except ImportError as exc:  # the framework is an extra: say which one to instal
     raise ImportError(f"commsched.plugins.mxnet needs MXNet, which did not import ({exc}); "
                       "install it with: pip install commsched[mxnet]") from exc
 
+from commsched.plugins.mxnet.functions import plan_model  # noqa: E402
 from commsched.plugins.mxnet.kvstore import FIRST_SUB_KEY, Commsched, KVStore, register  # noqa: E402
 
 register()
 
-__all__ = ["FIRST_SUB_KEY", "Commsched", "KVStore", "register"]
+__all__ = ["FIRST_SUB_KEY", "Commsched", "KVStore", "plan_model", "register"]

@@ -15,12 +15,22 @@ of ``trainer.step()``:
 4. the scheduler starts pieces by priority within the credit; each is a
    ``pushpull`` of its sub-key (:class:`~commsched.plugins.mxnet.backends.KVStoreBackend`).
 
+With ``ordering="planned"`` (``config.plan``) the order and the piece sizes are the plan's:
+every worker loads the plan and agrees on its digest at construction, and checks it
+against the initialized keys (names ``str(key)``, sizes, shapes, dtypes) at the first
+``pushpull``, agreeing again, before any piece starts (:mod:`commsched.plan_agreement`
+over the order store: ``PlanMismatch`` on every worker otherwise); each key's sub-keys are
+cut at its plan group's piece size, and ``PlannedPolicy`` starts them in the plan's order.
+ps-lite has no two-level algorithm: pieces planned ``"hierarchical"`` are plain push/pull
+(a warning says so); fused groups are refused (a key is one array on the servers).
+
 Why the order must be agreed, what ``update_on_kvstore=True`` loses, and the
 limits: docs/mxnet.md in the project.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -32,8 +42,11 @@ import mxnet as mx
 import numpy as np
 
 from commsched.config import SchedulerConfig, check_config
-from commsched.errors import CommschedTimeout, SchedulerClosed
+from commsched.errors import CommschedTimeout, OrderAgreementError, SchedulerClosed
 from commsched.lifecycle import Closeable, close_at_exit
+from commsched.partition import piece_bounds
+from commsched.plan import Plan, PlanMismatch, PlannedTensor
+from commsched.plan_agreement import agree_on_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler
 from commsched.tcpstore import StoreClient, StoreServer
@@ -96,9 +109,15 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         if gate == "engine" and not gate_mod.available():
             raise ValueError("gate='engine' needs MXEnginePushAsyncND in libmxnet, which this build lacks; "
                              "use gate='auto' or 'issue'")
+        self._gate_mode = "engine" if gate == "auto" and gate_mod.available() else ("issue" if gate == "auto" else gate)
+        planned = self.config.ordering == "planned"
+        if planned:
+            _check_planned(self.config, self._gate_mode)
+        #: with ``ordering="planned"``: the :class:`commsched.plan.Plan` every worker agreed on
+        self.plan: Plan | None = None
+        self._model_checked = False
         self._inner = inner = sync_kvstore(kvstore)
         self._server_update = bool(update_on_kvstore)
-        self._gate_mode = "engine" if gate == "auto" and gate_mod.available() else ("issue" if gate == "auto" else gate)
         self._gates = gate_mod.Gates() if self._gate_mode == "engine" else None
         self._backend = KVStoreBackend(inner, self._gates)
         self._entries: dict[Any, KeyEntry] = {}
@@ -108,8 +127,11 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         self._store_server: StoreServer | None = None
         self._store: StoreClient | None = None
         try:
-            if agrees_on_order(self.config, self._backend.world_size, self._backend.negotiates_order):
+            if agrees_on_order(self.config, self._backend.world_size, self._backend.negotiates_order) or (
+                    planned and self._backend.world_size > 1):  # planned: the plan checks and aborts travel
                 self._store_server, self._store = order_store(inner)
+            if planned:
+                self._start_plan()
             self._scheduler = Scheduler(self._backend, TransferOps(), self.config, store=self._store,
                                         key_prefix="commsched-mx")
         except BaseException:
@@ -308,7 +330,17 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
             raise ValueError(f"key {key!r} is already initialized in this KVStore")
         if self._entries and isinstance(key, str) != isinstance(next(iter(self._entries)), str):
             raise ValueError(f"key {key!r}: keys must be all int or all str, as in MXNet")
-        bounds = self._scheduler.bounds(int(array.size), int(np.dtype(array.dtype).itemsize))
+        size, itemsize = int(array.size), int(np.dtype(array.dtype).itemsize)
+        if self.plan is None:
+            bounds = self._scheduler.bounds(size, itemsize)
+        else:
+            if self._model_checked:
+                raise PlanMismatch(f"key {key!r} is initialized after the plan was checked against the model (at the "
+                                   "first pushpull); initialize every key before training")
+            try:  # the plan group's piece size
+                bounds = self._scheduler.bounds(size, itemsize, str(key))
+            except OrderAgreementError:  # not in the plan: the first pushpull's check names it, on every worker
+                bounds = piece_bounds(size, itemsize, self.config.partition_bytes)
         entry = self._entries[key] = KeyEntry(key, array, bounds, allocate_sub_keys(self._inner, len(bounds)))
         return entry
 
@@ -320,7 +352,76 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         entry.check(array, "the array")
         return entry
 
+    def _start_plan(self) -> None:
+        """``ordering="planned"``, at construction: load the plan, check the world, agree on the digest
+        with every worker (``PlanMismatch`` on all of them otherwise); refuse fused groups."""
+        source = self.config.plan
+        rank, world = self._backend.rank, self._backend.world_size
+        try:
+            found: Plan | BaseException = source if isinstance(source, Plan) else Plan.from_json(str(source))
+            found.check_world(world)
+        except (ValueError, OSError) as exc:  # PlanMismatch is a ValueError too
+            found = exc
+        gather = None if world == 1 else self._gather("commsched-mx/plan")
+        plan = agree_on_plan(found, rank=rank, world_size=world, gather=gather,
+                             source=source if isinstance(source, str) else None)
+        fused = [g.name for g in plan.groups if g.fused]
+        if fused:
+            raise ValueError(f"the plan fuses small tensors into {len(fused)} group(s) ({fused[:3]}); the commsched "
+                             "KVStore cannot (a ps-lite key is one array on the servers). Make the plan without "
+                             "fusion: `commsched plan ... --fusions-mb 0`")
+        hierarchical = sum(p.algorithm == "hierarchical" for p in plan.pieces)
+        if hierarchical:
+            log.warning("the plan (digest %s) has %d piece(s) planned 'hierarchical'; ps-lite has no two-level "
+                        "algorithm, so they are plain push/pull to the servers (order and piece sizes as planned)",
+                        plan.digest[:12], hierarchical)
+        self.plan = plan
+        self.config = dataclasses.replace(self.config, plan=plan, credit_bytes=plan.credit_bytes)
+
+    def _gather(self, prefix: str) -> Any:
+        """:func:`~commsched.plan_agreement.store_gather` on the order store, and then worker 0, which
+        serves that store, waits until every worker has read every post: a worker that raises (and
+        closes) right after its own reads would otherwise cut the others off mid-read."""
+        rank, world, timeout = self._backend.rank, self._backend.world_size, self.config.timeout_s
+        inner = store_gather(self._store, prefix, rank, world, timeout)
+
+        def gather(mine: dict) -> list[dict]:
+            posted = inner(mine)
+            self._store.set(f"{prefix}/read/{rank}", b"1")
+            if self._store_server is not None:
+                deadline = time.monotonic() + timeout
+                for other in range(world):
+                    try:
+                        self._store.get(f"{prefix}/read/{other}", max(0.001, deadline - time.monotonic()))
+                    except TimeoutError:
+                        raise CommschedTimeout(f"worker 0 waiting for worker {other} to read the plan checks",
+                                               timeout) from None
+            return posted
+        return gather
+
+    def _check_model(self) -> None:
+        """At the first pushpull: the plan against every initialized key, agreed by every worker."""
+        self._model_checked = True
+        entries = [PlannedTensor(str(k), e.size, int(e.dtype.itemsize), e.shape, e.dtype.name)
+                   for k, e in self._entries.items()]
+        found: Plan | BaseException = self.plan
+        try:
+            self.plan.check_model(entries)
+        except PlanMismatch as exc:
+            found = PlanMismatch(f"{exc} (the commsched KVStore names a tensor str(key); gluon.Trainer's keys are "
+                                 "the indices of its parameters: list them with commsched.plugins.mxnet.plan_model("
+                                 "trainer_params))")
+        world = self._backend.world_size
+        gather = None if world == 1 else self._gather("commsched-mx/model")
+        try:
+            agree_on_plan(found, rank=self._backend.rank, world_size=world, gather=gather)
+        except BaseException as exc:
+            self._scheduler.abort(exc)  # every later call raises it too
+            raise
+
     def _pushpull_one(self, key: Any, value: Any, out: Any, priority: int) -> None:
+        if self.plan is not None and not self._model_checked:
+            self._check_model()
         value = single(key, value, "value")
         entry = self._entry(key, value)
         target = None if out is None else single(key, out, "out")
@@ -381,6 +482,19 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         for closable in (self._store, self._store_server):
             if closable is not None:
                 closable.close()
+
+
+def _check_planned(config: SchedulerConfig, gate_mode: str) -> None:
+    """What ``ordering="planned"`` needs here, checked before any store or thread exists."""
+    if config.plan is None:
+        raise ValueError("ordering='planned' on the MXNet KVStore needs a plan: SchedulerConfig(ordering='planned', "
+                         "plan='plan.json') (make one with `commsched plan ... --fusions-mb 0`); planning in-process "
+                         "from the first steps is not supported here")
+    if gate_mode != "engine":
+        raise ValueError("ordering='planned' on the MXNet KVStore needs the engine gate (gate='engine' or 'auto' on a "
+                         "libmxnet with MXEnginePushAsyncND): with gate='issue' pushpull waits until its own pieces "
+                         "started, and the plan may start another key's first; use ordering='dynamic' with "
+                         "gate='issue'")
 
 
 class Commsched(KVStore):

@@ -28,6 +28,7 @@ from helpers import commsched_threads  # tests/ is on PYTHONPATH (conftest.run_j
 from mxnet import autograd, gluon
 
 import commsched
+import commsched.plan
 import commsched.plugins.mxnet as cmx
 
 BATCH = 8
@@ -125,8 +126,12 @@ def run_scenario(inner, index: int, sc: dict) -> dict:
     ref_trainer = gluon.Trainer(ref_net.collect_params(), name, dict(opts), kvstore=ref_kv, update_on_kvstore=server)
     train(ref_net, ref_trainer, data, sc)
 
+    net = make_net(7)
+    plan = make_plan(net, sc["plan"], inner.rank) if sc.get("plan") else None
     config = commsched.SchedulerConfig(partition_bytes=sc.get("partition", 1024), credit_bytes=sc.get("credit", 2048),
-                                       ordering=sc.get("ordering", "dynamic"), timeout_s=60)
+                                       ordering=sc.get("ordering", "dynamic"), timeout_s=60, plan=plan)
+    if sc.get("refused"):  # a planned run that every worker must refuse: record what each one said
+        return refused(inner, net, config, sc, data, name, opts)
     kv = cmx.KVStore(inner, config, update_on_kvstore=server, gate=sc.get("gate", "auto"))
     if sc.get("delay"):
         start, delay = kv._backend.start, sc["delay"]
@@ -135,7 +140,6 @@ def run_scenario(inner, index: int, sc: dict) -> dict:
             time.sleep(delay)
             start(piece, done)
         kv._backend.start = delayed
-    net = make_net(7)
     if sc.get("grad_req"):
         net.collect_params().setattr("grad_req", sc["grad_req"])
     trainer = gluon.Trainer(net.collect_params(), name, dict(opts), kvstore=kv, update_on_kvstore=server)
@@ -165,6 +169,9 @@ def run_scenario(inner, index: int, sc: dict) -> dict:
     stats = kv.stats()
     kv.close()
     got, ref = weights(net), weights(ref_net)
+    if kv.plan is not None:
+        result["plan_order"] = list(kv.plan.piece_names)
+        result["credit"] = kv.plan.credit_bytes
     result.update({
         "bitwise": all(numpy.array_equal(a, b) for a, b in zip(got, ref, strict=True)),
         "max_diff": max(float(numpy.abs(a - b).max()) for a, b in zip(got, ref, strict=True)),
@@ -175,6 +182,68 @@ def run_scenario(inner, index: int, sc: dict) -> dict:
         "order": {str(k): v["order"] for k, v in stats["per_step"].items()},
         "queued_while_pending": queued_while_pending,
     })
+    return result
+
+
+def make_plan(net, kind: str, rank: int):
+    """A plan for ``net`` as the Trainer keys it (sorted parameter names): each key its own piece size,
+    an order of its own, one piece "hierarchical" (plain push/pull on ps-lite). ``kind``: "good";
+    "other_model" (the 40x48 weight as 48x40, as many elements); "differs" (rank 1 swaps two pieces);
+    "fused" (the two last biases in one group)."""
+    from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor, fused_name
+
+    entries = cmx.plan_model(net.collect_params())
+    by_shape = {e.shape: e.name for e in entries}
+    if kind == "other_model":
+        i = [e.shape for e in entries].index((40, 48))
+        e = entries[i]
+        entries[i] = PlannedTensor(e.name, e.numel, e.element_size, (48, 40), e.dtype)
+    # layer by layer, the last first (as backward makes them): (shape, piece size)
+    layers = [[((10,), 1024), ((10, 40), 512)], [((40,), 64), ((40, 48), 1024)], [((48,), 1024), ((48, 32), 2048)]]
+    groups = [PlanGroup(by_shape[shape], (by_shape[shape],), size) for layer in layers for shape, size in layer]
+    if kind == "fused":
+        small = (by_shape[(10,)], by_shape[(40,)])
+        groups = [PlanGroup(fused_name(small), small, 1024)] + [g for g in groups if g.name not in small]
+    order = []
+    for g in groups:
+        order += [(g.name, i) for i in range(len(piece_bounds_of(g, entries)))]
+    first = (by_shape[(48, 32)], 0)
+    order.insert(2, order.pop(order.index(first)))  # the first layer's first piece early: waits for it
+    if kind == "differs" and rank == 1:
+        order[3], order[4] = order[4], order[3]
+    hierarchical = (by_shape[(40, 48)], 1)
+    pieces = tuple(PlannedPiece(t, i, "hierarchical" if (t, i) == hierarchical else "ring") for t, i in order)
+    return Plan(model=tuple(entries), groups=tuple(groups), pieces=pieces, credit_bytes=4096, nodes=1,
+                ranks_per_node=2)
+
+
+def piece_bounds_of(group, entries):
+    from commsched.partition import piece_bounds
+
+    by_name = {e.name: e for e in entries}
+    return piece_bounds(sum(by_name[t].numel for t in group.tensors), 4, group.partition_bytes)
+
+
+def refused(inner, net, config, sc, data, name, opts) -> dict:
+    """Run a plan every worker must refuse; record the error, where it came and how long it took."""
+    result = {"scenario": sc, "rank": inner.rank, "refused": None}
+    start = time.monotonic()
+    kv = None
+    try:
+        kv = cmx.KVStore(inner, config, gate=sc.get("gate", "auto"))
+        result["at"] = "training"
+        trainer = gluon.Trainer(net.collect_params(), name, dict(opts), kvstore=kv)
+        train(net, trainer, data[:1], sc)
+    except Exception as exc:
+        result["refused"] = f"{type(exc).__name__}: {exc}"
+        result["is_plan_mismatch"] = isinstance(exc, commsched.plan.PlanMismatch)
+        result["at"] = result.get("at", "construction")
+    result["seconds"] = time.monotonic() - start
+    if kv is not None:
+        try:
+            kv.close()
+        except Exception as exc:  # the store fails with the error it refused the plan with
+            result["close"] = type(exc).__name__
     return result
 
 
