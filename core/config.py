@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-__all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "parse_size", "read_environment"]
+__all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "parse_fusion", "parse_size",
+           "read_environment"]
 
 ENV_PREFIX = "COMMSCHED_"
 ORDERINGS = ("dynamic", "static", "fifo", "planned")
@@ -22,6 +23,7 @@ _UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<unset>"})()
 _DEFAULTS: dict[str, Any] = {
     "partition_bytes": 4 << 20,
     "credit_bytes": 16 << 20,
+    "fusion_bytes": 256 << 10,
     "ordering": "dynamic",
     "cross_iteration": True,
     "timeout_s": 300.0,
@@ -82,6 +84,19 @@ def parse_size(value: Any, field: str = "size") -> int:
     return number
 
 
+def parse_fusion(value: Any, field: str = "fusion_bytes") -> int:
+    """A fusion threshold: a byte count as :func:`parse_size` reads it, or ``0``/``"0"``/``"off"`` (no fusion)."""
+    if isinstance(value, str) and value.strip().lower() in ("0", "off", "none", "0b"):
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    try:
+        return parse_size(value, field)
+    except ValueError:
+        raise ValueError(f"{field}={value!r} is not a fusion threshold; give a byte count such as 65536 or "
+                         "'64KiB', or 0 (or 'off') to reduce every tensor on its own") from None
+
+
 def _parse_ordering(value: Any, field: str) -> str:
     if not isinstance(value, str) or value.strip().lower() not in ORDERINGS:
         raise ValueError(f"{field}={value!r} is not a known ordering; use one of {', '.join(ORDERINGS)}")
@@ -135,6 +150,7 @@ def _parse_plan(value: Any, field: str) -> Any:
 _PARSERS = {
     "partition_bytes": parse_size,
     "credit_bytes": parse_size,
+    "fusion_bytes": parse_fusion,
     "ordering": _parse_ordering,
     "cross_iteration": _parse_bool,
     "timeout_s": _parse_timeout,
@@ -175,6 +191,7 @@ class SchedulerConfig:
 
     partition_bytes: int = _UNSET
     credit_bytes: int = _UNSET
+    fusion_bytes: int = _UNSET
     ordering: str = _UNSET
     cross_iteration: bool = _UNSET
     timeout_s: float = _UNSET

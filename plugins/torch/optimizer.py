@@ -42,7 +42,7 @@ import torch.distributed as dist
 from commsched.config import SchedulerConfig, check_config, read_environment
 from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable
-from commsched.plan import Plan, PlannedTensor
+from commsched.plan import Plan, PlannedTensor, fused_name
 from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
@@ -189,17 +189,24 @@ class _Fusion:
     back into ``p.grad`` (synchronous), exactly as an unfused one. The buffer is reused each
     step; no member's gradient can arrive before its previous update ran (the
     ``new gradient before its previous one was applied`` check covers every member).
+
+    Two sources of groups: a plan's fused groups (``strict``), and ``fusion_bytes`` under the
+    other orderings (:func:`size_groups`: runs of adjacent small gradients, built at the first
+    backward from the order of first use, identical on every rank that runs the same forward).
     """
 
-    __slots__ = ("name", "members", "bounds", "numel", "buffer", "arrived")
+    __slots__ = ("name", "members", "bounds", "numel", "buffer", "arrived", "strict")
 
-    def __init__(self, name: str, members: list[_ParamState]) -> None:
+    def __init__(self, name: str, members: list[_ParamState], strict: bool = True) -> None:
         dtypes = {s.param.dtype for s in members}
         devices = {s.param.device for s in members}
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(f"fusion group {name!r} mixes dtypes {sorted(map(str, dtypes))} or devices "
                              f"{sorted(map(str, devices))}; only gradients of one dtype on one device share a buffer")
         self.name, self.members = name, members
+        # strict (a plan's group): a step in which only some members got a gradient is an error.
+        # Otherwise (size-threshold fusion) those members are reduced one by one that step.
+        self.strict = strict
         self.bounds: list[tuple[int, int]] = []
         offset = 0
         for s in members:
@@ -211,6 +218,35 @@ class _Fusion:
 
     def missing(self) -> list[str]:
         return [s.name for s in self.members if id(s) not in self.arrived]
+
+
+def size_groups(states: list[_ParamState], fusion_bytes: int) -> list[list[_ParamState]]:
+    """Runs of adjacent small gradients to fuse, in the order of ``states``: each member smaller
+    than ``fusion_bytes``, one dtype and device, together at most ``fusion_bytes``; runs of one
+    are left alone (nothing to gain)."""
+    groups: list[list[_ParamState]] = []
+    run: list[_ParamState] = []
+    total = 0
+
+    def close_run() -> None:
+        if len(run) > 1:
+            groups.append(list(run))
+        run.clear()
+
+    for s in states:
+        nbytes = s.param.numel() * s.param.element_size()
+        if nbytes >= fusion_bytes or nbytes == 0:
+            close_run()
+            total = 0
+            continue
+        if run and (total + nbytes > fusion_bytes or s.param.dtype != run[0].param.dtype
+                    or s.param.device != run[0].param.device):
+            close_run()
+            total = 0
+        run.append(s)
+        total += nbytes
+    close_run()
+    return groups
 
 
 class DistributedOptimizer(torch.optim.Optimizer, Closeable):
@@ -347,6 +383,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._bubbles: list[float] = []
         self._closed = False
         self._orphans: list[_ParamState] = []
+        self._fusion_pending = True  # fusion_bytes: the groups are made at the first gradient
         # CUDA: (step, streams, event where the compute stream needed a gradient, its done event)
         self._gpu_waits: list[tuple] = []
 
@@ -406,9 +443,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if any(p.algorithm == "hierarchical" for p in plan.pieces) and hasattr(self._backend, "use_hierarchical"):
             self._backend.use_hierarchical(plan.nodes, plan.ranks_per_node)
 
-    def _fuse(self, groups: list[tuple[str, list[str]]]) -> None:
+    def _fuse(self, groups: list[tuple[str, list[str]]], strict: bool = True) -> None:
         """Reduce each ``(task name, [parameter names])`` group as one task over a flat buffer
-        (:class:`_Fusion`). A parameter may be in one group only; names must be this optimizer's."""
+        (:class:`_Fusion`). A parameter may be in one group only; names must be this optimizer's.
+        ``strict``: every member must get a gradient every step (a plan's groups)."""
         by_name = {s.name: s for s in self._params}
         for name, members in groups:
             unknown = [m for m in members if m not in by_name]
@@ -419,7 +457,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             taken = [s.name for s in states if s.fusion is not None]
             if taken:
                 raise ValueError(f"parameters {taken[:5]} are in two fusion groups")
-            fusion = _Fusion(name, states)
+            fusion = _Fusion(name, states, strict)
             for s in states:
                 s.fusion = fusion
             self._fusions.append(fusion)
@@ -511,10 +549,26 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._submit(state)
         return hook
 
+    def _fuse_small(self) -> None:
+        """``fusion_bytes``: fuse runs of adjacent small gradients. Called at the first gradient, when
+        the first forward has given every used parameter its priority (order of first use); parameters
+        the forward did not use stay alone. Without a model: the registration order."""
+        self._fusion_pending = False
+        if self.config.fusion_bytes <= 0 or self.config.ordering == "planned" or self._fusions:
+            return
+        if self.model is not None:
+            states = sorted((s for s in self._params if id(s.param) in self._seen), key=lambda s: s.priority)
+        else:
+            states = list(self._params)
+        groups = size_groups(states, self.config.fusion_bytes)
+        self._fuse([(fused_name(s.name for s in g), [s.name for s in g]) for g in groups], strict=False)
+
     def _submit(self, state: _ParamState) -> None:
         grad = state.param.grad
         if grad is None:
             return
+        if self._fusion_pending:
+            self._fuse_small()
         check_gradient(state.name, grad)
         if state.future is not None:
             raise CommschedError(
@@ -525,6 +579,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             return
         if self._cross:
             state.param.grad = None  # the scheduler owns this gradient until the update
+        self._submit_alone(state, grad)
+
+    def _submit_alone(self, state: _ParamState, grad: torch.Tensor) -> None:
+        """Submit ``grad`` (``state``'s gradient, which ``p.grad`` no longer holds cross-iteration) as a task."""
         buffer = grad if grad.is_contiguous() else grad.contiguous()
         if self._predivide != 1.0:  # Horovod's gradient_predivide_factor: f before the sum, size/f after
             buffer.div_(self._predivide)
@@ -729,6 +787,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             return self.optimizer.step(closure)
         self._backward_seen = False
         loss = None
+        for fusion in self._fusions:
+            if fusion.arrived and not fusion.strict:
+                # Only some members got a gradient this step (a branch not taken): reduce those one by
+                # one, as without fusion; every rank that took the same branches submits the same tasks.
+                arrived, fusion.arrived = fusion.arrived, {}
+                for member in fusion.members:
+                    if id(member) in arrived:
+                        self._submit_alone(member, arrived[id(member)])
         partial = [f for f in self._fusions if f.arrived]
         if partial:
             raise CommschedError(
@@ -839,6 +905,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             "cross_iteration": self._cross,
             "ordering": self.config.ordering,
             "priorities": {s.name: s.priority for s in sorted(self._params, key=lambda s: s.priority)},
+            "fusion_bytes": self.config.fusion_bytes,
+            "fused": {f.name: [m.name for m in f.members] for f in self._fusions},
             "scheduler": sched,
             **({"plan": {"digest": self.plan.digest, "groups": len(self.plan.groups), "pieces": len(self.plan.pieces),
                          "fused_groups": len(self._fusions), "credit_bytes": self.plan.credit_bytes,

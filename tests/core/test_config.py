@@ -12,7 +12,7 @@ from commsched.config import read_environment
 pytestmark = pytest.mark.timeout(30)
 
 ENV_VARS = ["COMMSCHED_PARTITION_BYTES", "COMMSCHED_CREDIT_BYTES", "COMMSCHED_ORDERING",
-            "COMMSCHED_CROSS_ITERATION", "COMMSCHED_TIMEOUT_S", "COMMSCHED_TIMELINE"]
+            "COMMSCHED_CROSS_ITERATION", "COMMSCHED_TIMEOUT_S", "COMMSCHED_TIMELINE", "COMMSCHED_FUSION_BYTES"]
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +25,7 @@ def test_defaults_match_the_documented_values():
     cfg = SchedulerConfig()
     assert cfg.partition_bytes == 4 << 20
     assert cfg.credit_bytes == 16 << 20
+    assert cfg.fusion_bytes == 256 << 10
     assert cfg.ordering == "dynamic"
     assert cfg.cross_iteration is True
     assert cfg.timeout_s == 300.0
@@ -159,3 +160,21 @@ def test_only_config_reads_the_environment():
         if re.search(r"os\.environ|getenv\(", text):
             offenders.append(rel)
     assert offenders == [], f"these core modules read the environment outside config.read_environment: {offenders}"
+
+
+@pytest.mark.parametrize("value, expected", [(0, 0), ("0", 0), ("off", 0), (" OFF ", 0), ("256KiB", 256 << 10),
+                                             (1 << 20, 1 << 20), ("1mb", 10**6)])
+def test_fusion_bytes_takes_a_byte_count_or_zero_for_off(value, expected):
+    assert SchedulerConfig(fusion_bytes=value).fusion_bytes == expected
+
+
+def test_fusion_bytes_from_the_environment_and_its_errors_name_the_variable_and_the_fix(monkeypatch):
+    monkeypatch.setenv("COMMSCHED_FUSION_BYTES", "off")
+    assert SchedulerConfig().fusion_bytes == 0
+    monkeypatch.setenv("COMMSCHED_FUSION_BYTES", "lots")
+    with pytest.raises(ValueError, match=r"COMMSCHED_FUSION_BYTES='lots' is not a fusion threshold.*or 0 \(or 'off'\)"):
+        SchedulerConfig()
+    with pytest.raises(ValueError, match=r"fusion_bytes=-1 is not a fusion threshold"):
+        SchedulerConfig(fusion_bytes=-1)
+    with pytest.raises(ValueError, match=r"fusion_bytes=True"):
+        SchedulerConfig(fusion_bytes=True)

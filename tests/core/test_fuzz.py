@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from commsched.config import ENV_PREFIX, ORDERINGS, SchedulerConfig
 
-FIELDS = ("partition_bytes", "credit_bytes", "ordering", "cross_iteration", "timeout_s", "timeline")
-FIX_WORDS = {"partition_bytes": "positive", "credit_bytes": "positive", "ordering": "use one of",
+FIELDS = ("partition_bytes", "credit_bytes", "fusion_bytes", "ordering", "cross_iteration", "timeout_s", "timeline")
+FIX_WORDS = {"partition_bytes": "positive", "credit_bytes": "positive", "fusion_bytes": "byte count",
+             "ordering": "use one of",
              "cross_iteration": "True/False", "timeout_s": "greater than 0", "timeline": "file path"}
 
 values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
@@ -36,6 +37,8 @@ def check(field: str, value, source: str, build) -> None:
         got = getattr(config, field)
         if field in ("partition_bytes", "credit_bytes"):
             assert isinstance(got, int) and not isinstance(got, bool) and got >= 1
+        elif field == "fusion_bytes":
+            assert isinstance(got, int) and not isinstance(got, bool) and got >= 0
         elif field == "ordering":
             assert got in ORDERINGS
         elif field == "cross_iteration":

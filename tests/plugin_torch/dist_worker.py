@@ -99,7 +99,8 @@ TIMEOUT_S = 20  # the scheduler's timeout_s; tests bound failure times by it
 SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynamic", partition=256, credit=1024,
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
-                         die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1)
+                         die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
+                         alternate_branch=False)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -154,7 +155,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         plan.to_json(plan_path)
     config = commsched.SchedulerConfig(partition_bytes=sc["partition"], credit_bytes=sc["credit"],
                                        ordering="planned" if plan else sc["ordering"], plan=plan_path,
-                                       cross_iteration=bool(sc["cross"]), timeout_s=TIMEOUT_S, timeline=sc["timeline"])
+                                       cross_iteration=bool(sc["cross"]), timeout_s=TIMEOUT_S, timeline=sc["timeline"],
+                                       fusion_bytes=sc["fusion"])
     started = time.monotonic()
     opt = None
     try:
@@ -173,6 +175,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: time.sleep(rng.random() * sc["delay"]))
         for step in range(sc["steps"]):
+            if sc["alternate_branch"]:  # the unused branch runs on even steps only, on every rank
+                model.use_unused = ref.use_unused = step % 2 == 0
             if step == sc["die_step"]:
                 result["die_step_started"] = time.monotonic()
             opt.zero_grad()
@@ -214,6 +218,15 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         # reference's grads stay; commsched's may be None here, taken over by cross-iteration)
         expected_pieces = {name: len(piece_bounds(q.numel(), q.element_size(), sc["partition"]))
                            for name, q in ref.named_parameters() if q.grad is not None}
+        fused = stats["fused"]  # fusion_bytes: each group is one task over its members' total size
+        for group, members in fused.items():
+            for m in members:
+                expected_pieces.pop(m, None)
+            numel = sum(dict(ref.named_parameters())[m].numel() for m in members)
+            expected_pieces[group] = len(piece_bounds(numel, dict(ref.named_parameters())[members[0]].element_size(),
+                                                      sc["partition"]))
+        if sc["alternate_branch"]:
+            expected_pieces = None  # the tasks differ between even and odd steps
         if plan is not None:  # the plan cuts each group at its own size
             expected_pieces = {g.name: len(plan.bounds(g)) for g in plan.groups}
             result["plan_order"] = list(plan.piece_names)

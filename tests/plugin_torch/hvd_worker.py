@@ -35,7 +35,7 @@ def run(name: str, steps: int, die_step: int, delay: float) -> dict:
     model, ref = build(), build()
     opt = DistributedOptimizer(OPTIMIZERS[name](model.parameters()), model, backend="horovod",
                                config=commsched.SchedulerConfig(partition_bytes=PARTITION, credit_bytes=CREDIT,
-                                                                timeout_s=20))
+                                                                timeout_s=20, fusion_bytes=0))  # pieces per tensor
     ref_opt = hvd.DistributedOptimizer(OPTIMIZERS[name](ref.parameters()), named_parameters=ref.named_parameters())
     hvd.broadcast_parameters(ref.state_dict(), root_rank=0)
     result: dict = {"rank": rank, "optimizer": name}

@@ -113,9 +113,30 @@ def make_opt(fake, cross=True, **cfg):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                               config=commsched.SchedulerConfig(cross_iteration=cross, timeout_s=30, **cfg))
+                               config=commsched.SchedulerConfig(cross_iteration=cross, timeout_s=30,
+                                                                **{"fusion_bytes": 0, **cfg}))  # one task each
     opt._backend.device_streams = DeviceStreams(fake)  # CPU tensors take the stream/event path
     return model, opt
+
+
+def test_fused_small_gradients_take_one_event_pair_and_update_like_the_reference():
+    fake = FakeCuda(auto_complete=True)
+    model, opt = make_opt(fake, fusion_bytes=1 << 16)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    opt.synchronize()
+    assert list(opt.stats()["fused"]) == ["fused[0.weight..2.bias](4)"]
+    assert len([e for e in fake.events.values() if e.timing and e.stream == COMM]) == 3  # one per step
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    opt.close()
 
 
 def test_next_forward_waits_on_the_done_event_on_the_compute_stream_without_blocking_the_cpu():
