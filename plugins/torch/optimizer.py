@@ -13,9 +13,11 @@ How a step flows (``cross_iteration=True``, the default):
    only, then applies the user's optimizer to exactly those parameters, on the
    user's thread. The time it waited is the step's *bubble*.
 
-Per-parameter updates reuse the user's optimizer class: one instance per parameter,
-built from the parameter's group hyperparameters (refreshed before every update, so
-LR schedulers work) and sharing the wrapped optimizer's ``state``, so
+Updates reuse the user's optimizer class: one instance per module's parameters of one
+param group (lean apply: one call per layer, for the element-wise ``torch.optim`` classes
+of :data:`LEAN_APPLY`, where that is bitwise equal to the reference) or per parameter
+(any other optimizer), built from the group's hyperparameters (refreshed before every
+update, so LR schedulers work) and sharing the wrapped optimizer's ``state``, so
 ``state_dict()`` has the wrapped optimizer's format. Nothing is re-implemented.
 
 ``cross_iteration=False`` is the synchronous path: reductions still overlap with
@@ -69,6 +71,13 @@ _AMP_CROSS_ITERATION = (
     "scaler.step(opt); scaler.update() (call opt.synchronize() before scaler.unscale_(opt) if you clip), or use "
     "bfloat16 autocast, which needs no GradScaler")
 
+
+#: The optimizers whose update of several parameters in one call is bitwise equal to one call each
+#: (element-wise: each parameter's update reads only its own gradient and state). Lean apply
+#: (``DistributedOptimizer._lean_group``) uses exactly these classes.
+LEAN_APPLY = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+              torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
+              torch.optim.Rprop)
 
 # Horovod fuses pieces that are ready in the same cycle; measured on 2 ranks
 # (docs/horovod.md), 1 MiB pieces with a 16 MiB credit did best with fusion on.
@@ -159,7 +168,7 @@ def _is_named_parameters(value: Any) -> bool:
 class _ParamState:
     """Bookkeeping for one parameter."""
 
-    __slots__ = ("name", "param", "group", "priority", "sub", "future", "grad", "copy_back", "passes", "hyper",
+    __slots__ = ("name", "param", "group", "priority", "future", "grad", "copy_back", "passes", "hyper",
                  "cuda", "fusion")
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: dict, priority: int) -> None:
@@ -167,7 +176,6 @@ class _ParamState:
         self.param = param
         self.group = group
         self.priority = priority
-        self.sub: Optional[torch.optim.Optimizer] = None
         self.future = None
         self.grad: Optional[torch.Tensor] = None
         self.copy_back: Optional[torch.Tensor] = None
@@ -384,6 +392,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._closed = False
         self._orphans: list[_ParamState] = []
         self._fusion_pending = True  # fusion_bytes: the groups are made at the first gradient
+        # Update instances of the user's optimizer class, by the parameters they update (lean apply:
+        # a module's parameters of one param group in one call; else one parameter each).
+        self._subs: dict[tuple[int, ...], torch.optim.Optimizer] = {}
+        self._lean = True
+        self._lean_cache: dict[int, bool] = {}
         # CUDA: (step, streams, event where the compute stream needed a gradient, its done event)
         self._gpu_waits: list[tuple] = []
 
@@ -685,7 +698,31 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         for s in pending:
             if s.cuda is not None:
                 self._wait_on_gpu(s)
-            self._finish(s)
+        if not self._cross:
+            for s in pending:
+                self._land(s)
+            return
+        batches: dict[tuple[int, int], list[_ParamState]] = {}
+        for s in pending:
+            key = (id(s.group), id(s.hyper)) if self._lean_group(s.group) else (id(s), 0)
+            batches.setdefault(key, []).append(s)
+        for batch in batches.values():
+            self._update(batch)
+
+    def _lean_group(self, group: dict) -> bool:
+        """Whether the parameters of ``group`` may be updated together, in one call of the user's
+        optimizer class (lean apply), rather than one call each. Only where that is bitwise equal to
+        one call over all parameters (the reference): the element-wise ``torch.optim`` classes of
+        :data:`LEAN_APPLY`, exactly (a subclass may couple parameters), on CPU (measured bitwise for
+        foreach off, on and fused: tests/plugin_torch/test_lean_apply.py), and on other devices only on
+        the single-tensor path (``foreach=False``, not fused), whose loop is per parameter anyway."""
+        found = self._lean_cache.get(id(group))
+        if found is None:
+            cpu = all(p.device.type == "cpu" for p in group["params"])
+            found = self._lean and type(self.optimizer) in LEAN_APPLY and (
+                cpu or (group.get("foreach") is False and not group.get("fused")))
+            self._lean_cache[id(group)] = found
+        return found
 
     def _wait_queued(self, state: _ParamState) -> None:
         """Block until every piece of ``state``'s gradient and its division are queued on the
@@ -728,35 +765,44 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 self._bubbles[index] += streams.elapsed_s(needed, done)
         self._gpu_waits = keep
 
-    def _finish(self, state: _ParamState) -> None:
+    def _land(self, state: _ParamState) -> None:
+        """Synchronous path: the averaged gradient is in ``p.grad`` (copied back if it was not contiguous)."""
         state.future = None
         grad, state.grad = state.grad, None
-        if not self._cross:
-            if state.copy_back is not None:
-                state.copy_back.copy_(grad)
-            state.copy_back = None
-            return
+        if state.copy_back is not None:
+            state.copy_back.copy_(grad)
+        state.copy_back = None
+
+    def _update(self, batch: list[_ParamState]) -> None:
+        """Apply the reduced gradients of ``batch`` (one parameter, or a lean-apply batch of one param
+        group and one step) with one call of the user's optimizer class, on the user's thread."""
         t0 = now_us()
-        sub = state.sub
+        key = tuple(id(s.param) for s in batch)
+        sub = self._subs.get(key)
+        first = batch[0]
         if sub is None:
-            sub = state.sub = type(self.optimizer)([dict(state.group)])
+            sub = self._subs[key] = type(self.optimizer)([dict(first.group)])
             sub.state = self.optimizer.state  # one state, the wrapped optimizer's
         group = sub.param_groups[0]
-        hyper, state.hyper = state.hyper, None
-        # The hyperparameters of the step this gradient belongs to (an LR scheduler
+        hyper = first.hyper
+        # The hyperparameters of the step these gradients belong to (an LR scheduler
         # may have moved on since), else the group's current ones.
-        for key, value in (hyper if hyper is not None else state.group).items():
-            if key != "params":
-                group[key] = value
-        group["params"] = [state.param]
-        param = state.param
-        param.grad = grad
+        for k, value in (hyper if hyper is not None else first.group).items():
+            if k != "params":
+                group[k] = value
+        group["params"] = [s.param for s in batch]
+        for s in batch:
+            s.future = None
+            s.hyper = None
+            s.param.grad, s.grad = s.grad, None
         try:
             sub.step()
         finally:
-            param.grad = None
+            for s in batch:
+                s.param.grad = None
         if self.timeline.enabled:
-            self.timeline.span("UPDATE", state.name, t0, now_us())
+            self.timeline.span("UPDATE", first.name if len(batch) == 1 else f"{first.name} +{len(batch) - 1}",
+                               t0, now_us())
 
     # -------------------------------------------------------------- user API
     #: ``GradScaler.step(opt)`` calls ``opt.step(grad_scaler=scaler)`` instead of unscaling ``p.grad``
@@ -881,9 +927,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self.synchronize()
         self.optimizer.load_state_dict(state_dict)
         self.state = self.optimizer.state
-        for s in self._params:
-            if s.sub is not None:
-                s.sub.state = self.optimizer.state
+        for sub in self._subs.values():
+            sub.state = self.optimizer.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_initializing", False):
