@@ -47,6 +47,8 @@ MXNET = ["mxnet==1.9.1", "numpy==1.26.4"]
 HOROVOD = ["horovod==0.28.1"]
 # The planner's MILP solver (commsched plan); see requirements/planner.txt for why HiGHS.
 PLANNER = ["highspy==1.16.0"]
+# The online tuner's search (ordering="auto"); see requirements/tuner.txt for why Optuna.
+TUNER = ["optuna==5.0.0"]
 TEST = ["pytest", "pytest-timeout", "hypothesis", "ruff", "matplotlib"]
 
 setup(
@@ -68,10 +70,11 @@ setup(
         "mxnet": MXNET,
         "horovod": HOROVOD,
         "planner": PLANNER,
+        "tuner": TUNER,
         "test": TEST,
         # Horovod is left out of 'all': without the cached wheel pip would try
         # the unpatched sdist and fail after minutes of compiling.
-        "all": TORCH + TENSORFLOW + MXNET + PLANNER + TEST,
+        "all": TORCH + TENSORFLOW + MXNET + PLANNER + TUNER + TEST,
     },
     entry_points={"console_scripts": ["commsched = commsched.cli:main"]},
     classifiers=[
