@@ -204,7 +204,7 @@ def greedy_plan(profile: Profile, topology: Topology, groups: list[PlanGroup], c
     pieces = _all_pieces(profile, groups)
     algorithms = {f"{g}#{i}": _piece_algorithm(topology, nbytes, rule) for g, i, nbytes in pieces}
     draft = _plan(profile, topology, groups, [(g, i) for g, i, _ in pieces], algorithms, credit)
-    settings = SimSettings(steps=steps)
+    settings = SimSettings(steps=steps, trace=False)
     edd = simulate(profile, topology, "planned", settings, plan=draft, plan_order="priority")
     order = [(name.rsplit("#", 1)[0], int(name.rsplit("#", 1)[1])) for name in edd.issue_order]
     if len(order) != len(pieces):  # a piece of step 1 never started (cannot happen: every step ends)
@@ -381,7 +381,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
     two_level = topology.nodes > 1 and topology.ranks_per_node > 1
     rules = search.algorithm_rules or (ALGORITHM_RULES if two_level else ("ring",))
     steps = search.simulated_steps
-    settings = SimSettings(steps=steps)
+    settings = SimSettings(steps=steps, trace=False)
     stages: list[dict[str, Any]] = []
     scored = [0]
 

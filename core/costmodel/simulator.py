@@ -80,6 +80,7 @@ class SimSettings:
     horovod_fusion_bytes: int = 128 * MB
     horovod_cycle_s: float = 1e-3
     steps: int = 5  # simulated; the first is warm-up (no previous step to overlap with)
+    trace: bool = True  # record the Chrome trace (the planner, scoring thousands of candidates, does not)
     algorithm: str = "ring"
 
     def __post_init__(self) -> None:
@@ -177,6 +178,7 @@ class _Sim:
         self.waits: list[tuple[float, float]] = []
         self.busy: list[tuple[float, float]] = []
         self.trace: list[dict] = []
+        self.record = True  # whether trace events are kept
         self.marks: list[float] = []
 
     # network
@@ -195,8 +197,9 @@ class _Sim:
         self.net_current = (self.now + duration, done)
         self.net_spans.append((self.now, self.now + duration))
         self.collectives += 1
-        self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 1, "ts": self.now * 1e6,
-                           "dur": duration * 1e6, "args": {"bytes": nbytes}})
+        if self.record:
+            self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 1, "ts": self.now * 1e6,
+                               "dur": duration * 1e6, "args": {"bytes": nbytes}})
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         self._timer_seq += 1
@@ -255,8 +258,10 @@ class _Sim:
             if self.waiting_since is not None:
                 if self.now > self.waiting_since:
                     self.waits.append((self.waiting_since, self.now))
-                    self.trace.append({"name": "WAIT", "ph": "X", "pid": 0, "tid": 0,
-                                       "ts": self.waiting_since * 1e6, "dur": (self.now - self.waiting_since) * 1e6})
+                    if self.record:
+                        self.trace.append({"name": "WAIT", "ph": "X", "pid": 0, "tid": 0,
+                                           "ts": self.waiting_since * 1e6,
+                                           "dur": (self.now - self.waiting_since) * 1e6})
                 self.waiting_since = None
             if kind == "mark":
                 self.marks.append(self.now)
@@ -271,7 +276,7 @@ class _Sim:
     def _finish_task(self) -> None:
         kind, label, work, _, on_done = self.lane[self.lane_pos]
         self.busy.append((self.task_start, self.now))
-        if self.now > self.task_start:
+        if self.now > self.task_start and self.record:
             self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 0, "ts": self.task_start * 1e6,
                                "dur": (self.now - self.task_start) * 1e6, "args": {"kind": kind}})
         self.task_left = None
@@ -332,6 +337,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         return allreduce_s(topology, nbytes, piece_algorithm or algorithm) if world > 1 else 0.0
 
     sim = _Sim(profile, collective_s)
+    sim.record = settings.trace
     layers = profile.layers
     n_layers = len(layers)
     ready_at = profile.ready_times()
