@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import commsched.bench.cli, commsched.bench.runner, commsched.bench.report, commsched.bench.spec
     import commsched.bench.options, commsched.bench.procs, commsched.bench.netns, commsched.bench.cpu
     import commsched.policy, commsched.protocol, commsched.state, commsched.failures, commsched.task
-    import commsched.replay, commsched.stats, commsched.lifecycle
+    import commsched.replay, commsched.stats, commsched.lifecycle, commsched.tuner
     import commsched.costmodel.profile, commsched.costmodel.topology, commsched.costmodel.collectives
     import commsched.costmodel.zoo, commsched.costmodel.simulator, commsched.costmodel.cli
 

@@ -1,0 +1,404 @@
+"""Changing scheduler settings during training: the agreed step boundary, and the online tuner of
+``SchedulerConfig(ordering="auto")``. Framework-free; a plugin drives both at its step boundaries.
+
+The agreed boundary (:class:`AgreedSwitch`), two-phase
+-------------------------------------------------------
+Ranks issue collectives in an agreed order, so a change of ordering, piece size, credit or
+fusion must take effect on every rank at the same step, with nothing in flight:
+
+1. *decide at step k*: at the end of step ``k`` rank 0 (the only rank that measures and
+   decides) publishes a :class:`Decision` under ``<prefix>/switch/<k>`` in the store;
+2. *apply at step k+2*: at the end of step ``k + 1`` every rank takes that decision (rank 0
+   its own; the others a store ``get`` bounded by ``timeout_s``: rank 0 published it one
+   step earlier, so it is there), waits until every piece is reduced and applied
+   (``synchronize()``), and rebuilds its scheduler; step ``k + 2`` runs the new settings.
+
+Every rank knows in advance at which steps decisions are made: the first one is fixed when
+training starts, and each decision names the next (``Decision.next``), so no rank ever polls
+the store on other steps and no rank waits on a decision that will not come.
+
+The tuner (:class:`Tuner`)
+--------------------------
+Rank 0 only. A *sample* is one setting run for ``settle`` steps (not scored: the switch
+itself) plus ``sample_steps`` scored steps; its score is the median step period, its noise
+the spread of those periods (half the inter-quartile range, at least 0.5 % of the median).
+The first samples are the start point (the cost model's recommendation when there is one),
+the config's own settings and plain ``fifo`` without partition or credit (which wins where
+communication is hidden already); then a sampler proposes (Optuna's TPE: ask/tell over the
+discrete :class:`SearchSpace`). A sample replaces the incumbent only if its median beats
+the incumbent's by more than both spreads; such a winner is *confirmed* by a second sample
+of the same setting before it is kept (the incumbent is thus always measured at least
+twice: horovod#2207 shows single autotune scores varying by 8 %).
+
+It stops when the *predicted gain* is below ``min_gain`` (2 %): the best improvement over the
+incumbent among the last ``patience`` samples, an empirical estimate of what another sample
+brings, is smaller than that; or after ``max_samples`` (20). Settled, it checks every
+``check_every`` steps whether the median period drifted more than ``drift`` (5 %) from the
+incumbent's score, and re-tunes (from the incumbent) if so. One log line per decision
+(logger ``commsched.tuner``); :meth:`Tuner.stats` has the history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+from commsched.errors import CommschedError, CommschedTimeout
+
+__all__ = ["AgreedSwitch", "Decision", "SearchSpace", "Settings", "Tuner", "UNLIMITED_BYTES", "OptunaSampler",
+           "Sampler", "spread"]
+
+log = logging.getLogger("commsched.tuner")
+
+#: "No partition" / "no credit": larger than any tensor (what the benchmark's ``fifo`` uses).
+UNLIMITED_BYTES = 1 << 40
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The scheduler settings the tuner chooses between (the fields of ``SchedulerConfig`` it may change)."""
+
+    ordering: str
+    partition_bytes: int
+    credit_bytes: int
+    fusion_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Settings":
+        return cls(str(data["ordering"]), int(data["partition_bytes"]), int(data["credit_bytes"]),
+                   int(data["fusion_bytes"]))
+
+    def describe(self) -> str:
+        def size(n: int) -> str:
+            if n >= UNLIMITED_BYTES:
+                return "none"
+            return f"{n // MIB}MiB" if n >= MIB and n % MIB == 0 else f"{n // KIB}KiB" if n % KIB == 0 else str(n)
+        return (f"{self.ordering} partition={size(self.partition_bytes)} credit={size(self.credit_bytes)} "
+                f"fusion={size(self.fusion_bytes) if self.fusion_bytes else 'off'}")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The discrete choices of the tuner. ``UNLIMITED_BYTES`` as a partition or credit means none."""
+
+    orderings: tuple[str, ...] = ("dynamic", "static", "fifo")
+    partitions: tuple[int, ...] = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, UNLIMITED_BYTES)
+    credits: tuple[int, ...] = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, UNLIMITED_BYTES)
+    fusions: tuple[int, ...] = (0, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
+
+    def __post_init__(self) -> None:
+        known = ("dynamic", "static", "fifo")
+        if not self.orderings or any(o not in known for o in self.orderings):
+            raise ValueError(f"SearchSpace.orderings={self.orderings!r}: use some of {known}")
+        for name in ("partitions", "credits", "fusions"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+                raise ValueError(f"SearchSpace.{name}={values!r} must be a non-empty tuple of byte counts")
+        if any(v <= 0 for v in self.partitions + self.credits):
+            raise ValueError("SearchSpace partitions and credits must be positive byte counts")
+
+    def nearest(self, s: Settings) -> Settings:
+        """``s`` moved onto the grid (each value to the nearest choice; an unknown ordering to the first)."""
+        def near(values: tuple[int, ...], v: int) -> int:
+            return min(values, key=lambda c: (abs(c - v), c))
+        return Settings(s.ordering if s.ordering in self.orderings else self.orderings[0],
+                        near(self.partitions, s.partition_bytes), near(self.credits, s.credit_bytes),
+                        near(self.fusions, s.fusion_bytes))
+
+
+class Sampler(Protocol):
+    """Proposes the next setting to measure and learns each score (smaller is better)."""
+
+    def ask(self) -> Settings: ...
+
+    def tell(self, settings: Settings, score: float) -> None: ...
+
+
+class OptunaSampler:
+    """Optuna's TPE sampler over :class:`SearchSpace`, through its ask/tell interface (no objective
+    callback: a sample is measured by training steps between two calls). Optuna (which needs numpy)
+    is imported here only, when an ``auto`` tuner is made, never by ``import commsched``."""
+
+    def __init__(self, space: SearchSpace, seed: int = 0) -> None:
+        try:
+            import optuna
+        except ImportError as exc:
+            raise ImportError("ordering='auto' tunes with Optuna: pip install optuna==5.0.0 (or "
+                              "pip install 'commsched[tuner]'), or choose an ordering yourself "
+                              f"(ordering='dynamic'); {exc}") from exc
+        self._optuna = optuna
+        self._dists = {"ordering": optuna.distributions.CategoricalDistribution(space.orderings),
+                       "partition_bytes": optuna.distributions.CategoricalDistribution(space.partitions),
+                       "credit_bytes": optuna.distributions.CategoricalDistribution(space.credits),
+                       "fusion_bytes": optuna.distributions.CategoricalDistribution(space.fusions)}
+        self._study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=5))
+        self._space = space
+        self._open: dict[Settings, list[Any]] = {}
+
+    def ask(self) -> Settings:
+        trial = self._study.ask(self._dists)
+        s = Settings.from_dict(trial.params)
+        self._open.setdefault(s, []).append(trial)
+        return s
+
+    def tell(self, settings: Settings, score: float) -> None:
+        trials = self._open.get(settings)
+        if trials:
+            self._study.tell(trials.pop(0), score)
+        else:  # a setting the tuner chose itself (a start point): a finished trial at its nearest grid point
+            params = self._space.nearest(settings).to_dict()
+            self._study.add_trial(self._optuna.trial.create_trial(params=params, distributions=self._dists,
+                                                                  value=score))
+
+
+def spread(periods: list[float]) -> float:
+    """The noise of a sample: half its inter-quartile range, at least 0.5 % of its median."""
+    med = statistics.median(periods)
+    if len(periods) >= 4:
+        q = statistics.quantiles(periods, n=4, method="inclusive")
+        half_iqr = (q[2] - q[0]) / 2
+    else:
+        half_iqr = (max(periods) - min(periods)) / 2
+    return max(half_iqr, 0.005 * med)
+
+
+@dataclass
+class Decision:
+    """What rank 0 decided at the end of a decision step, for every rank: the settings from step
+    ``k + 2`` (None: keep), a plan (``ordering="planned"``, as ``Plan.to_dict()``), the next decision
+    step (None: no more), why, or an error every rank raises."""
+
+    settings: Optional[Settings] = None
+    next: Optional[int] = None
+    reason: str = ""
+    plan: Optional[dict] = None
+    error: Optional[str] = None
+
+    def encode(self) -> bytes:
+        return json.dumps({"settings": self.settings.to_dict() if self.settings else None, "next": self.next,
+                           "reason": self.reason, "plan": self.plan, "error": self.error}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Decision":
+        d = json.loads(raw.decode())
+        return cls(Settings.from_dict(d["settings"]) if d["settings"] else None, d["next"], d["reason"],
+                   d["plan"], d["error"])
+
+
+class AgreedSwitch:
+    """The two-phase boundary (module docstring): :meth:`publish` on rank 0 at the end of step ``k``,
+    :meth:`take` on every rank at the end of step ``k + 1``.
+
+    ``store``: the ranks' rendezvous store (``set``/``get(key, timeout_s)``); without one (one
+    rank, or an engine that negotiates order and has no store) ``broadcast`` (rank 0's object to
+    every rank, a collective every rank calls in :meth:`take`) carries the decision."""
+
+    def __init__(self, rank: int, world_size: int, *, store: Any = None, prefix: str = "commsched",
+                 timeout_s: float = 300.0, broadcast: Optional[Callable[[Any], Any]] = None) -> None:
+        self.rank, self.world_size, self.store, self.prefix = rank, world_size, store, prefix
+        self.timeout_s, self.broadcast = timeout_s, broadcast
+        self._mine: dict[int, Decision] = {}
+
+    def key(self, step: int) -> str:
+        return f"{self.prefix}/switch/{step}"
+
+    def publish(self, step: int, decision: Decision) -> None:
+        """Rank 0: the decision made at the end of ``step``."""
+        if self.rank != 0:
+            raise CommschedError("only rank 0 publishes switch decisions")
+        self._mine[step] = decision
+        if self.store is not None and self.world_size > 1:
+            self.store.set(self.key(step), decision.encode())
+
+    def take(self, step: int) -> Decision:
+        """Every rank: the decision of the end of ``step`` (called at the end of ``step + 1``)."""
+        if self.rank == 0:
+            decision = self._mine.pop(step)
+            if self.store is None and self.world_size > 1 and self.broadcast is not None:
+                self.broadcast(decision.encode())
+            return decision
+        if self.store is not None:
+            try:
+                raw = self.store.get(self.key(step), self.timeout_s)
+            except Exception as exc:  # the store's own timeout or a dead rank 0
+                raise CommschedTimeout(f"rank {self.rank} waiting for rank 0's settings decision of step {step} "
+                                       f"({self.key(step)!r}: {exc!r})", self.timeout_s, []) from exc
+            return Decision.decode(raw)
+        if self.broadcast is None:
+            raise CommschedError("AgreedSwitch needs a store or a broadcast with more than one rank")
+        return Decision.decode(self.broadcast(None))
+
+
+@dataclass
+class _Sample:
+    settings: Settings
+    start_step: int
+    confirm: bool = False
+    periods: list[float] = field(default_factory=list)
+
+
+class Tuner:
+    """Online search of :class:`Settings` by measured step period (module docstring). Rank 0 only.
+
+    The driver calls :meth:`first` once (the decision of the first decision step), :meth:`observe`
+    with every step's period, and :meth:`decide` at the end of each decision step it was told
+    (``Decision.next``); it applies what :meth:`decide` returns from two steps later, on every rank.
+    """
+
+    def __init__(self, start: Settings, *, space: SearchSpace | None = None, sampler: Sampler | None = None,
+                 extra_starts: tuple[Settings, ...] = (), sample_steps: int = 4, settle: int = 1,
+                 max_samples: int = 20, min_gain: float = 0.02, patience: int = 4, drift: float = 0.05,
+                 check_every: int = 50, seed: int = 0) -> None:
+        if sample_steps < 2 or settle < 0 or max_samples < 1 or patience < 1 or check_every < sample_steps:
+            raise ValueError("Tuner: sample_steps >= 2, settle >= 0, max_samples >= 1, patience >= 1 and "
+                             "check_every >= sample_steps are required")
+        self.space = space or SearchSpace()
+        starts: list[Settings] = []
+        for s in (start, *extra_starts):
+            if s not in starts:
+                starts.append(s)
+        self._starts = starts
+        self._make_sampler = (lambda: sampler) if sampler is not None else (
+            lambda: OptunaSampler(self.space, seed + self.rounds))
+        self.rounds = 0
+        self.sampler: Sampler = self._make_sampler()
+        self.sample_steps, self.settle, self.max_samples = sample_steps, settle, max_samples
+        self.min_gain, self.patience, self.drift, self.check_every = min_gain, patience, drift, check_every
+        self.phase = "tuning"
+        self.incumbent: Optional[Settings] = None
+        self.incumbent_score = float("inf")
+        self.incumbent_spread = 0.0
+        self.samples = 0  # samples of the current tuning round
+        self.rounds = 1
+        self._confirm_against = (float("inf"), 0.0)
+        self._confirm_periods: list[float] = []
+        self.history: list[dict[str, Any]] = []
+        self._current: Optional[_Sample] = None
+        self._pending_starts = list(starts)
+        self._gains: list[float] = []
+        self._settled_periods: list[float] = []
+        self._applied: Optional[Settings] = None
+
+    # ----------------------------------------------------------------- driver API
+    def first(self, step: int) -> Decision:
+        """The decision at the end of ``step`` (the first decision step): measure the first start."""
+        return self._next_sample(step, "start")
+
+    def observe(self, step: int, period_s: float) -> None:
+        """The period (seconds) of ``step``, which ran the settings applied last."""
+        cur = self._current
+        if self.phase == "tuning" and cur is not None and step >= cur.start_step + self.settle:
+            cur.periods.append(period_s)
+        elif self.phase == "settled":
+            self._settled_periods.append(period_s)
+            del self._settled_periods[: -self.sample_steps]
+
+    def decide(self, step: int) -> Decision:
+        """The decision at the end of decision step ``step``. One log line says what and why."""
+        if self.phase == "settled":
+            return self._check_drift(step)
+        cur = self._current
+        if cur is None or len(cur.periods) < self.sample_steps:  # cannot happen when driven as documented
+            missing = 0 if cur is None else self.sample_steps - len(cur.periods)
+            return self._log(step, Decision(None, step + max(1, missing), "sample not complete yet"))
+        score, noise = statistics.median(cur.periods), spread(cur.periods)
+        self.samples += 1
+        record = {"step": step, "settings": cur.settings.to_dict(), "median_s": score, "spread_s": noise,
+                  "periods_s": list(cur.periods), "confirm": cur.confirm}
+        previous = self.incumbent_score
+        if cur.confirm:
+            # the second measurement of a winner: keep it if it still beats the old incumbent
+            kept = score < self._confirm_against[0] - max(noise, self._confirm_against[1])
+            if kept:
+                both = cur.periods + self._confirm_periods
+                self.incumbent, self.incumbent_score, self.incumbent_spread = cur.settings, statistics.median(
+                    both), spread(both)
+            record["verdict"] = "confirmed" if kept else "not confirmed"
+        elif self.incumbent is None:
+            self.incumbent, self.incumbent_score, self.incumbent_spread = cur.settings, score, noise
+            record["verdict"] = "first incumbent"
+        elif score < self.incumbent_score - max(noise, self.incumbent_spread):
+            record["verdict"] = "better: confirm"
+        else:
+            if cur.settings == self.incumbent:  # the incumbent measured again: pool its periods
+                self.incumbent_score = min(self.incumbent_score, score)
+                self.incumbent_spread = max(self.incumbent_spread, noise)
+            record["verdict"] = "not better"
+        if not cur.confirm and self.sampler is not None:
+            self.sampler.tell(cur.settings, score)
+        gain = (previous - score) / previous if previous < float("inf") else 0.0
+        self._gains.append(max(0.0, gain))
+        self.history.append(record)
+        if record["verdict"] == "better: confirm" and self.samples < self.max_samples:
+            self._confirm_against = (self.incumbent_score, self.incumbent_spread)
+            self._confirm_periods = list(cur.periods)
+            return self._next_sample(step, f"{cur.settings.describe()}: median {score * 1e3:.2f} ms beats "
+                                           f"{self.incumbent_score * 1e3:.2f} ms by more than the spread; "
+                                           "measuring it again", confirm=cur.settings)
+        predicted = max(self._gains[-self.patience:]) if len(self._gains) >= self.patience else float("inf")
+        if self.samples >= self.max_samples or (not self._pending_starts and predicted < self.min_gain):
+            why = (f"{self.samples} samples" if self.samples >= self.max_samples else
+                   f"predicted gain {predicted:.1%} < {self.min_gain:.0%} (best of the last {self.patience})")
+            return self._settle(step, f"stop ({why}): keeping {self.incumbent.describe()} at "
+                                      f"{self.incumbent_score * 1e3:.2f} ms")
+        return self._next_sample(step, f"{cur.settings.describe()}: median {score * 1e3:.2f} ms "
+                                       f"({record['verdict']}); incumbent {self.incumbent.describe()}")
+
+    def stats(self) -> dict[str, Any]:
+        """Phase, incumbent and its score, samples, rounds and every sample's record."""
+        return {"phase": self.phase, "incumbent": self.incumbent.to_dict() if self.incumbent else None,
+                "incumbent_median_s": self.incumbent_score if self.incumbent else None,
+                "samples": self.samples, "rounds": self.rounds, "history": list(self.history)}
+
+    # ----------------------------------------------------------------- internals
+    def _next_sample(self, step: int, why: str, confirm: Settings | None = None) -> Decision:
+        if confirm is not None:
+            settings = confirm
+        elif self._pending_starts:
+            settings = self._pending_starts.pop(0)
+        else:
+            settings = self.sampler.ask()
+        apply_at = step + 2
+        self._current = _Sample(settings, apply_at, confirm is not None)
+        decision = Decision(settings if settings != self._applied else None,
+                            apply_at + self.settle + self.sample_steps - 1, why)
+        self._applied = settings
+        return self._log(step, decision, f"sample {self.samples + 1}: {settings.describe()}")
+
+    def _settle(self, step: int, why: str) -> Decision:
+        self.phase = "settled"
+        self._settled_periods = []
+        apply = self.incumbent if self.incumbent != self._applied else None
+        self._applied = self.incumbent
+        self._current = None
+        return self._log(step, Decision(apply, step + 2 + self.check_every, why))
+
+    def _check_drift(self, step: int) -> Decision:
+        if len(self._settled_periods) < self.sample_steps:
+            return self._log(step, Decision(None, step + self.check_every, "settled: too few steps to check"))
+        now = statistics.median(self._settled_periods)
+        moved = now / self.incumbent_score - 1
+        if abs(moved) <= self.drift:
+            return Decision(None, step + self.check_every, f"settled: {moved:+.1%}")  # not logged: no change
+        # re-tune from the incumbent: a fresh search whose first sample is the incumbent itself
+        self.phase, self.rounds, self.samples, self._gains = "tuning", self.rounds + 1, 0, []
+        self._starts = [self.incumbent] + [s for s in self._starts if s != self.incumbent]
+        self._pending_starts = list(self._starts)
+        self.incumbent, self.incumbent_score, self.incumbent_spread = None, float("inf"), 0.0
+        self.sampler = self._make_sampler()
+        self.history.append({"step": step, "verdict": "drift", "median_s": now, "moved": moved})
+        return self._next_sample(step, f"step time drifted {moved:+.1%} (> {self.drift:.0%}): re-tuning")
+
+    def _log(self, step: int, decision: Decision, what: str | None = None) -> Decision:
+        change = decision.settings.describe() if decision.settings else "keep"
+        log.info("tuner step %d: %s -> %s; next decision at step %s (%s)", step, what or decision.reason, change,
+                 decision.next, decision.reason)
+        return decision

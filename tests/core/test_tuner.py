@@ -1,0 +1,177 @@
+"""The online tuner (ordering="auto") against a fake objective, and the agreed switch boundary.
+
+The driver below plays the optimizer: it runs steps, feeds each step's period to the tuner,
+calls ``decide`` only at the steps the previous decision announced, and applies a decision
+exactly two steps after it was made (at the end of step k+1, so step k+2 runs it)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from commsched.errors import CommschedTimeout
+from commsched.store import InMemoryStore
+from commsched.tuner import (UNLIMITED_BYTES, AgreedSwitch, Decision, SearchSpace, Settings, Tuner, spread)
+
+pytestmark = pytest.mark.timeout(60)
+
+MIB = 1 << 20
+DEFAULT = Settings("dynamic", 4 * MIB, 16 * MIB, 256 << 10)
+FIFO_PLAIN = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, 256 << 10)
+
+
+def hidden_comm(s: Settings) -> float:
+    """Communication hidden already: every piece and every priority decision only costs; plain fifo wins."""
+    pieces = 0.0 if s.partition_bytes >= UNLIMITED_BYTES else 4 * MIB / s.partition_bytes
+    return 0.100 * (1 + 0.01 * pieces + (0.03 if s.ordering != "fifo" else 0.0) + (0.02 if not s.fusion_bytes else 0))
+
+
+def drive(tuner: Tuner, objective, steps: int, noise: float = 0.005, seed: int = 1, change_at: int | None = None,
+          changed=None) -> dict:
+    rng = random.Random(seed)
+    running = DEFAULT
+    decision_steps, applied = [], []  # (step decided, step from which it runs)
+    next_decision = 2  # the first decision step, fixed in advance
+    pending: tuple[int, Decision] | None = None
+    for step in range(steps):
+        f = changed if change_at is not None and step >= change_at else objective
+        tuner.observe(step, f(running) * (1 + rng.gauss(0, noise)))
+        if pending is not None and step == pending[0] + 1:  # end of k+1: apply, step k+2 runs it
+            if pending[1].settings is not None:
+                running = pending[1].settings
+                applied.append((pending[0], step + 1))
+            pending = None
+        if step == next_decision:
+            d = tuner.first(step) if not decision_steps else tuner.decide(step)
+            decision_steps.append(step)
+            assert d.next is not None and d.next >= step + 2, d  # a decision is never made mid-sample
+            next_decision = d.next
+            pending = (step, d)
+    return {"running": running, "decision_steps": decision_steps, "applied": applied}
+
+
+def test_converges_to_plain_fifo_where_communication_is_hidden_and_stops_within_20_samples():
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0)
+    out = drive(tuner, hidden_comm, 400)
+    assert tuner.phase == "settled", tuner.stats()
+    assert tuner.samples <= 20
+    best = min(hidden_comm(Settings(o, p, c, f)) for o in ("dynamic", "static", "fifo")
+               for p in SearchSpace().partitions for c in SearchSpace().credits for f in SearchSpace().fusions)
+    assert hidden_comm(out["running"]) <= best * 1.02, out["running"]
+    assert out["running"].ordering == "fifo"
+    # every change ran from two steps after the decision that made it, never anywhere else
+    assert all(run == k + 2 for k, run in out["applied"]) and out["applied"]
+
+
+def test_a_better_sample_is_confirmed_by_a_second_measurement_before_it_is_kept():
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0)
+    drive(tuner, hidden_comm, 400)
+    verdicts = [h.get("verdict") for h in tuner.stats()["history"]]
+    assert "better: confirm" in verdicts
+    first_better = verdicts.index("better: confirm")
+    assert verdicts[first_better + 1] in ("confirmed", "not confirmed")
+    assert tuner.stats()["history"][first_better + 1]["confirm"] is True
+
+
+def test_a_gain_smaller_than_the_measured_spread_never_replaces_the_incumbent():
+    # every setting within 0.3 % of the others, noise 2 %: nothing may beat the start point
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=3, max_samples=8)
+    out = drive(tuner, lambda s: 0.1 * (1 - 0.003 * (s.ordering == "fifo")), 300, noise=0.02)
+    assert tuner.incumbent == DEFAULT and out["running"] == DEFAULT, tuner.stats()["history"]
+
+
+def test_stops_when_nothing_gains_two_percent_and_then_keeps_the_settings():
+    tuner = Tuner(DEFAULT, seed=0)
+    flat = lambda s: 0.1  # noqa: E731
+    out = drive(tuner, flat, 300, noise=0.001)
+    assert tuner.phase == "settled" and tuner.samples < 20, tuner.stats()
+    settled_at = next(h["step"] for h in reversed(tuner.history) if "settings" in h)
+    assert all(k <= settled_at for k, _ in out["applied"])  # no change after settling
+
+
+def test_retunes_when_the_step_time_drifts_more_than_five_percent():
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0, check_every=20)
+    slower_fifo = lambda s: hidden_comm(s) * (1.3 if s.ordering == "fifo" else 1.0)  # noqa: E731
+    out = drive(tuner, hidden_comm, 900, change_at=400, changed=slower_fifo)
+    drifts = [h for h in tuner.history if h.get("verdict") == "drift"]
+    assert drifts and drifts[0]["step"] >= 400 and drifts[0]["moved"] > 0.05, tuner.history[-5:]
+    assert tuner.rounds >= 2
+    assert tuner.phase == "settled" and out["running"].ordering != "fifo", tuner.stats()
+
+
+def test_no_retune_while_the_drift_stays_within_five_percent():
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0, check_every=20)
+    drive(tuner, hidden_comm, 700, change_at=400, changed=lambda s: hidden_comm(s) * 1.03)
+    assert tuner.rounds == 1 and not [h for h in tuner.history if h.get("verdict") == "drift"]
+
+
+def test_every_decision_logs_one_line(caplog):
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0)
+    with caplog.at_level("INFO", logger="commsched.tuner"):
+        out = drive(tuner, hidden_comm, 400)
+    lines = [r for r in caplog.records if r.name == "commsched.tuner"]
+    assert len(lines) == len([s for s in out["decision_steps"]][: len(lines)]) >= tuner.samples
+    assert any("stop" in r.getMessage() for r in lines)
+
+
+def test_spread_is_half_the_iqr_with_a_floor():
+    assert spread([1.0, 1.0, 1.0, 1.0]) == pytest.approx(0.005)
+    assert spread([1.0, 1.2, 1.4, 1.6, 1.8]) == pytest.approx(0.2)
+
+
+def test_search_space_refuses_bad_choices_naming_them():
+    with pytest.raises(ValueError, match="orderings"):
+        SearchSpace(orderings=("random",))
+    with pytest.raises(ValueError, match="partitions"):
+        SearchSpace(partitions=(0,))
+
+
+# ------------------------------------------------------------------ the agreed boundary
+def test_rank_one_takes_exactly_what_rank_zero_published_at_step_k():
+    store = InMemoryStore()
+    zero, one = (AgreedSwitch(r, 2, store=store, prefix="t", timeout_s=5) for r in (0, 1))
+    decision = Decision(FIFO_PLAIN, 17, "because")
+    got = []
+    reader = threading.Thread(target=lambda: got.append(one.take(7)))
+    reader.start()
+    zero.publish(7, decision)
+    assert zero.take(7) == decision
+    reader.join(5)
+    assert got == [decision]
+
+
+def test_a_decision_that_never_comes_is_a_timeout_naming_the_step_not_a_hang():
+    one = AgreedSwitch(1, 2, store=InMemoryStore(), prefix="t", timeout_s=0.2)
+    with pytest.raises(CommschedTimeout, match="decision of step 3"):
+        one.take(3)
+
+
+def test_without_a_store_the_decision_travels_by_broadcast():
+    box = []
+
+    def broadcast(obj):  # rank 0 puts, the other rank reads: a stand-in for the engine's broadcast
+        if obj is not None:
+            box.append(obj)
+            return obj
+        return box[0]
+    zero, one = AgreedSwitch(0, 2, broadcast=broadcast), AgreedSwitch(1, 2, broadcast=broadcast)
+    zero.publish(4, Decision(None, 9, "keep"))
+    assert zero.take(4).next == 9 and one.take(4).next == 9
+
+
+def test_a_lucky_first_measurement_is_not_kept_when_the_confirmation_does_not_repeat_it():
+    seen = {"fifo": 0}
+
+    def lucky_once(s: Settings) -> float:  # fifo looks 20 % faster during its first sample only
+        if s.ordering == "fifo":
+            seen["fifo"] += 1
+            return 0.08 if seen["fifo"] <= 7 else 0.1
+        return 0.1
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0, space=SearchSpace(orderings=("dynamic", "fifo")),
+                  max_samples=6)
+    drive(tuner, lucky_once, 200, noise=0.001)
+    verdicts = [h.get("verdict") for h in tuner.history]
+    assert verdicts[:3] == ["first incumbent", "better: confirm", "not confirmed"], verdicts
+    assert tuner.incumbent == DEFAULT
