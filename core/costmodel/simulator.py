@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from commsched.costmodel.collectives import allreduce_s
+from commsched.costmodel.collectives import allreduce_phases, allreduce_s
 from commsched.costmodel.profile import Profile, TensorSpec
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
@@ -65,6 +65,8 @@ __all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "parse_sim_strategy", "
 
 MB = 1 << 20
 UNLIMITED = 1 << 60
+#: The simulated network's servers (see ``_Sim``).
+SERVERS = ("net", "rs", "ar", "ag")
 SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "dynamic", "static", "hierarchical",
                   "planned")
 
@@ -162,10 +164,12 @@ class _Sim:
         self.now = 0.0
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = 0
-        # network: a FIFO of collectives, one at a time
-        self.net_queue: collections.deque[tuple[int, str, Callable[[], None], float, str | None]] = \
-            collections.deque()
-        self.net_current: tuple[float, Callable[[], None]] | None = None
+        # network: FIFO servers of collectives, each one at a time. "net" carries whole
+        # collectives; a two-level all-reduce run as a pipeline (the torch backend's three
+        # threads) passes "rs" (intra reduce-scatter), "ar" (inter all-reduce), "ag" (intra
+        # all-gather), so consecutive pieces overlap their phases.
+        self.queues: dict[str, collections.deque] = {name: collections.deque() for name in SERVERS}
+        self.current: dict[str, tuple[float, Callable[[], None]] | None] = {name: None for name in SERVERS}
         self.net_spans: list[tuple[float, float]] = []
         self.collectives = 0
         # compute lane: (kind, label, work seconds, precondition, on_done); kind "mark" records a step
@@ -182,24 +186,31 @@ class _Sim:
         self.marks: list[float] = []
 
     # network
-    def send(self, nbytes: int, label: str, done: Callable[[], None], extra_s: float = 0.0,
-             algorithm: str | None = None) -> None:
-        self.net_queue.append((nbytes, label, done, extra_s, algorithm))
-        if self.net_current is None:
-            self._start_next_collective()
+    @property
+    def net_busy(self) -> bool:
+        return any(c is not None for c in self.current.values())
 
-    def _start_next_collective(self) -> None:
-        if not self.net_queue:
-            self.net_current = None
+    def send(self, nbytes: int, label: str, done: Callable[[], None], extra_s: float = 0.0,
+             algorithm: str | None = None, server: str = "net", seconds: float | None = None) -> None:
+        """Queue a collective on ``server``; it lasts ``seconds`` (default the cost of ``nbytes``
+        with ``algorithm``) plus ``extra_s``; ``done`` runs when it ends."""
+        self.queues[server].append((nbytes, label, done, extra_s, algorithm, seconds))
+        if self.current[server] is None:
+            self._start_next(server)
+
+    def _start_next(self, server: str) -> None:
+        queue = self.queues[server]
+        if not queue:
+            self.current[server] = None
             return
-        nbytes, label, done, extra, algorithm = self.net_queue.popleft()
-        duration = self.collective_s(nbytes, algorithm) + extra
-        self.net_current = (self.now + duration, done)
+        nbytes, label, done, extra, algorithm, seconds = queue.popleft()
+        duration = (self.collective_s(nbytes, algorithm) if seconds is None else seconds) + extra
+        self.current[server] = (self.now + duration, done)
         self.net_spans.append((self.now, self.now + duration))
         self.collectives += 1
         if self.record:
-            self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 1, "ts": self.now * 1e6,
-                               "dur": duration * 1e6, "args": {"bytes": nbytes}})
+            self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 1 + SERVERS.index(server),
+                               "ts": self.now * 1e6, "dur": duration * 1e6, "args": {"bytes": nbytes}})
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         self._timer_seq += 1
@@ -208,7 +219,7 @@ class _Sim:
     # compute
     def rate(self) -> float:
         """Work seconds done per simulated second: slower while the network is busy."""
-        return 1.0 / self.profile.contention if self.net_current is not None else 1.0
+        return 1.0 / self.profile.contention if self.net_busy else 1.0
 
     def run(self, limit_events: int = 50_000_000) -> None:
         events = 0
@@ -222,8 +233,7 @@ class _Sim:
             if self.task_left is not None:
                 task_end = self.now + self.task_left / self.rate()
                 candidates.append(task_end)
-            if self.net_current is not None:
-                candidates.append(self.net_current[0])
+            candidates.extend(c[0] for c in self.current.values() if c is not None)
             if self.timers:
                 candidates.append(self.timers[0][0])
             if not candidates:
@@ -237,12 +247,13 @@ class _Sim:
                 # the task ends now when its own end is the next event (exactly: no float residue)
                 self.task_left = 0.0 if task_end <= t else self.task_left - (t - self.now) * self.rate()
             self.now = t
-            if self.net_current is not None and self.net_current[0] <= t:
-                done = self.net_current[1]
-                self.net_current = None
-                done()  # may send more (and start it: the network was idle)
-                if self.net_current is None:
-                    self._start_next_collective()
+            for server in SERVERS:
+                ending = self.current[server]
+                if ending is not None and ending[0] <= t:
+                    self.current[server] = None
+                    ending[1]()  # may send more (and start it, on an idle server)
+                    if self.current[server] is None:
+                        self._start_next(server)
             while self.timers and self.timers[0][0] <= t:
                 heapq.heappop(self.timers)[2]()
             if self.task_left is not None and self.task_left <= 0.0:
@@ -387,8 +398,24 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                     for lj in layers_of.pop(id(piece.task)):
                         reduced(piece.task.step, lj)
                 dispatch(piece.task.step)
-            sim.send(piece.nbytes, piece.name, done, extra_s=profile.per_piece_cpu_s,
-                     algorithm=getattr(piece, "algorithm", None) if plan is not None else None)
+            piece_algorithm = piece.algorithm if plan is not None else model.algorithm
+            send_piece(piece.nbytes, piece.name, done, piece_algorithm)
+
+    def send_piece(nbytes: int, name: str, done: Callable[[], None], piece_algorithm: str | None) -> None:
+        """A commsched piece: one collective, or a two-level one through the three-phase pipeline."""
+        phases = allreduce_phases(topology, nbytes, "hierarchical") if piece_algorithm == "hierarchical" else ()
+        if len(phases) != 3:  # one node, one rank per node, nothing to move, or the flat ring
+            sim.send(nbytes, name, done, extra_s=profile.per_piece_cpu_s, algorithm=piece_algorithm)
+            return
+        rs, ar, ag = (phase.seconds for phase in phases)
+
+        def gathered() -> None:
+            sim.send(nbytes, f"{name} all-gather", done, server="ag", seconds=ag)
+
+        def reduced_inter() -> None:
+            sim.send(nbytes, f"{name} inter all-reduce", gathered, server="ar", seconds=ar)
+        sim.send(nbytes, f"{name} reduce-scatter", reduced_inter, server="rs", seconds=rs,
+                 extra_s=profile.per_piece_cpu_s)
 
     def submit(step: int, name: str, tensors: list[str], numel: int, element_size: int,
                bounds: list[tuple[int, int]], algorithm_of: Callable[[str], str] | None) -> None:
@@ -523,7 +550,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     window = (marks[1], marks[-1])
     n = len(measured)
     exposed = _overlap(sim.waits, window) / n
-    net = _overlap(sim.net_spans, window) / n
+    net = _overlap(_union(sim.net_spans), window) / n  # time any collective runs (servers overlap)
     overlap = 0.0 if net <= 0 else min(1.0, max(0.0, 1.0 - exposed / net))
     return SimResult(strategy=model.name, step_time_s=sum(measured) / n, exposed_comm_s=exposed, comm_busy_s=net,
                      compute_s=_overlap(sim.busy, window) / n, overlap_ratio=overlap,
@@ -535,6 +562,16 @@ def planned_tensors(profile: Profile) -> list[PlannedTensor]:
     """The profile's gradients as a plan's fingerprint entries."""
     return [PlannedTensor(t.name, t.numel, t.element_size, t.shape, t.dtype)
             for layer in profile.layers for t in layer.tensors]
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def _overlap(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
