@@ -215,7 +215,8 @@ class PlannedStrategy(CommschedStrategy):
 
     Rank 0 takes the workload's profile (:func:`commsched.plugins.torch.profiler.load_or_profile`
     with the bench's flags: cached after the first time, else measured on a cluster of its
-    own), the bench's emulated topology (:meth:`Topology.emulated`), and searches a plan
+    own), the topology ``commsched probe`` last measured for these flags (cached; else the
+    bench's emulated topology, :meth:`Topology.emulated`), and searches a plan
     (:func:`commsched.costmodel.planner.make_plan`, at most :data:`PLAN_TIME_LIMIT_S`); it
     writes ``<run_dir>/plan.json`` and posts its digest (or why it failed) to the rendezvous
     store, where the other ranks wait for it (up to the phase timeout: profiling can take
@@ -275,7 +276,14 @@ def _make_bench_plan(run_spec: dict, path: str) -> dict[str, Any]:
     profile = load_or_profile(run_spec["workload"], batch_size=run_spec["batch_size"], workers=workers, nodes=nodes,
                               bandwidth=bandwidth, intra_bandwidth=intra,
                               network=run_spec.get("network", "netns"), seed=run_spec["seed"])
-    topology = Topology.emulated(workers, nodes, bandwidth or "none", intra)
+    from commsched.plugins.torch.probe import cached_probe
+
+    # the links as `commsched probe` measured them for these flags (the real engine's α and its own
+    # cost beyond α-β), else the configured emulation (α assumed)
+    topology = cached_probe(workers, nodes, bandwidth, intra, run_spec.get("network", "netns"))
+    topology_source = "probe (cached)" if topology is not None else "emulated (configured; run commsched probe)"
+    if topology is None:
+        topology = Topology.emulated(workers, nodes, bandwidth or "none", intra)
     profiled = time.monotonic()
     plan = make_plan(profile, topology, time_limit_s=PLAN_TIME_LIMIT_S).plan
     tmp = f"{path}.tmp"
@@ -284,7 +292,8 @@ def _make_bench_plan(run_spec: dict, path: str) -> dict[str, Any]:
     return {"path": path, "digest": plan.digest, "predicted": dict(plan.predicted),
             "groups": len(plan.groups), "pieces": len(plan.pieces), "credit_bytes": plan.credit_bytes,
             "algorithms": sorted({p.algorithm for p in plan.pieces}),
-            "profile_s": profiled - started, "plan_s": time.monotonic() - profiled}
+            "profile_s": profiled - started, "plan_s": time.monotonic() - profiled,
+            "topology": topology_source, "topology_describe": topology.describe()}
 
 
 def bubble_list(stats: Any) -> list[float] | None:
