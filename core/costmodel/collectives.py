@@ -96,7 +96,9 @@ def _unknown(algorithm: str) -> ValueError:
 
 
 def allreduce_phases(topology: Topology, nbytes: float, algorithm: str = "ring") -> tuple[Phase, ...]:
-    """The phases of one all-reduce of ``nbytes`` on ``topology`` (formulas in the module docstring).
+    """The phases of one all-reduce of ``nbytes`` on ``topology`` (formulas in the module docstring),
+    the first one carrying ``topology.extra_s[algorithm] + extra_s_per_byte[algorithm] · S``
+    (the engine's measured cost beyond α-β; the flat ring's on one node or one rank per node).
 
     Their ``seconds`` sum to :func:`allreduce_s`; a simulator that models link classes
     as resources holds each phase's ``links`` for its duration. Empty when nothing moves.
@@ -107,6 +109,17 @@ def allreduce_phases(topology: Topology, nbytes: float, algorithm: str = "ring")
     t, nodes, ranks = topology, topology.nodes, topology.ranks_per_node
     if nbytes == 0 or t.world_size == 1:
         return ()
+    phases = _alpha_beta_phases(t, nbytes, algorithm)
+    name = algorithm if nodes > 1 and ranks > 1 else "ring"
+    extra = t.extra_s.get(name, 0.0) + t.extra_s_per_byte.get(name, 0.0) * nbytes
+    if extra:  # the engine's own cost beyond α-β, measured by the probe: on the first phase
+        first = phases[0]
+        phases = (Phase(first.name, first.links, first.seconds + extra),) + phases[1:]
+    return phases
+
+
+def _alpha_beta_phases(t: Topology, nbytes: float, algorithm: str) -> tuple[Phase, ...]:
+    nodes, ranks = t.nodes, t.ranks_per_node
     # K rails in parallel: the node's network bandwidth is K·β_e (rail-aligned rings).
     inter = Link(t.inter.alpha_s, t.inter.bandwidth * t.rails)
     if nodes == 1:

@@ -165,6 +165,11 @@ class Topology:
     rails: int = 1
     source: str = "described"
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: per all-reduce algorithm, software cost per collective beyond its α-β phases
+    #: (seconds; ``commsched probe`` measures it on the real engine; none when described)
+    extra_s: dict[str, float] = field(default_factory=dict, hash=False)
+    #: per algorithm, seconds per byte beyond the α-β model (an engine slower than its links)
+    extra_s_per_byte: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "ranks_per_node", "rails"):
@@ -176,6 +181,14 @@ class Topology:
             raise ValueError(f"topology source={self.source!r} must be a non-empty string")
         if not isinstance(self.meta, dict):
             raise ValueError(f"topology meta={self.meta!r} must be a dict")
+        if not isinstance(self.extra_s, dict) or any(
+                not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 for v in self.extra_s.values()):
+            raise ValueError(f"topology extra_s={self.extra_s!r} must map algorithm names to seconds >= 0")
+        if not isinstance(self.extra_s_per_byte, dict) or any(
+                not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                for v in self.extra_s_per_byte.values()):
+            raise ValueError(f"topology extra_s_per_byte={self.extra_s_per_byte!r} must map algorithm names to "
+                             "seconds per byte >= 0")
 
     @property
     def world_size(self) -> int:
@@ -252,7 +265,8 @@ class Topology:
         """The JSON form: ``schema``, the counts, each link as ``{alpha_s, bandwidth}``, source, meta."""
         return {"schema": SCHEMA, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
                 "rails": self.rails, "intra": self.intra.to_dict(), "inter": self.inter.to_dict(),
-                "source": self.source, "meta": dict(self.meta)}
+                "source": self.source, "meta": dict(self.meta), "extra_s": dict(self.extra_s),
+                "extra_s_per_byte": dict(self.extra_s_per_byte)}
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as fh:
@@ -270,7 +284,9 @@ class Topology:
             return cls(nodes=data["nodes"], ranks_per_node=data["ranks_per_node"], rails=data.get("rails", 1),
                        intra=Link(data["intra"]["alpha_s"], data["intra"]["bandwidth"]),
                        inter=Link(data["inter"]["alpha_s"], data["inter"]["bandwidth"]),
-                       source=data.get("source", "unknown"), meta=dict(data.get("meta", {})))
+                       source=data.get("source", "unknown"), meta=dict(data.get("meta", {})),
+                       extra_s={str(k): float(v) for k, v in data.get("extra_s", {}).items()},
+                       extra_s_per_byte={str(k): float(v) for k, v in data.get("extra_s_per_byte", {}).items()})
         except (KeyError, TypeError) as exc:
             raise ValueError(f"the topology is missing or mistypes a field ({exc!r}); see "
                              "commsched.costmodel.topology for the schema") from None

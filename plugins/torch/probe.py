@@ -29,13 +29,18 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from typing import Any
 
 from commsched.costmodel.fit import LinkFit, Sample, fit_link, ping_pong, ring_allreduce
 from commsched.costmodel.topology import Link, Topology
 
-__all__ = ["SIZES", "add_arguments", "probe", "run"]
+__all__ = ["SIZES", "add_arguments", "cached_probe", "probe", "run", "save_probe"]
+
+#: Where ``commsched probe`` also keeps each topology it measured, one per cluster's flags (the
+#: benchmark's ``planned`` strategy plans on it when there is one).
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "commsched", "topologies")
 
 #: Message sizes of the sweep, bytes: 4 KiB, 16 KiB, ..., 64 MiB.
 SIZES = tuple(4096 * 4 ** k for k in range(8))
@@ -174,8 +179,40 @@ def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: To
         "beta_vs_configured": {cls: links[cls].bandwidth / getattr(configured, cls).bandwidth
                                for cls in ("intra", "inter")},
     }
-    return Topology(nodes=nodes, ranks_per_node=workers // nodes, intra=links["intra"], inter=links["inter"],
-                    rails=1, source="probe", meta=meta)
+    fitted = Topology(nodes=nodes, ranks_per_node=workers // nodes, intra=links["intra"], inter=links["inter"],
+                      rails=1, source="probe", meta=meta)
+    extra = _engine_extra(points, fitted)
+    meta["extra_s_points"] = extra.pop("points")
+    per_byte = extra.pop("per_byte", {})
+    meta["how"] += ("; extra_s / extra_s_per_byte: per algorithm, the world all-reduce measured minus the alpha-beta "
+                    "model of the fitted links: the median of the sizes <= 1 MiB (per collective) and the slope of the "
+                    "two largest sizes (per byte), clamped at 0: the engine's own cost")
+    return Topology(nodes=fitted.nodes, ranks_per_node=fitted.ranks_per_node, intra=fitted.intra, inter=fitted.inter,
+                    rails=1, source="probe", meta=meta, extra_s=extra, extra_s_per_byte=per_byte)
+
+
+def _engine_extra(points: dict[str, list[dict]], fitted: Topology) -> dict[str, Any]:
+    """What the world's all-reduces cost beyond the α-β model of the fitted links, per algorithm."""
+    from commsched.costmodel.collectives import allreduce_s
+
+    extra: dict[str, Any] = {"points": {}}
+    two_level = fitted.nodes > 1 and fitted.ranks_per_node > 1
+    for kind, algorithm in (("world_allreduce", "ring"), ("world_hierarchical", "hierarchical")):
+        if kind not in points or (algorithm == "hierarchical" and not two_level):
+            continue
+        rows = points[kind]
+        diffs = [r["time_s"] - allreduce_s(fitted, r["bytes"], algorithm) for r in rows]
+        extra["points"][algorithm] = {str(r["bytes"]): d for r, d in zip(rows, diffs, strict=True)}
+        small = [d for r, d in zip(rows, diffs, strict=True) if r["bytes"] <= 1 << 20] or diffs
+        fixed = max(0.0, _median(small))
+        big = rows[-2:]  # the slope of the two largest sizes: an engine slower than its links
+        slope = 0.0
+        if len(big) == 2 and big[1]["bytes"] > big[0]["bytes"]:
+            d0, d1 = diffs[-2], diffs[-1]
+            slope = max(0.0, (d1 - d0) / (big[1]["bytes"] - big[0]["bytes"]))
+        extra[algorithm] = fixed
+        extra.setdefault("per_byte", {})[algorithm] = slope
+    return extra
 
 
 # ------------------------------------------------------------------------- the worker
@@ -211,6 +248,12 @@ def _worker_main(argv: list[str] | None = None) -> int:
             kinds["inter_allreduce"] = nodes
         if nodes >= 2:
             kinds["inter_pingpong"] = 2
+        hier = None
+        if nodes >= 2 and per_node >= 2:  # the two-level algorithm as commsched runs it (its 3-thread pipeline)
+            from commsched.plugins.torch.hierarchical import HierarchicalAllReduce
+
+            hier = HierarchicalAllReduce(nodes, per_node, timeout_s=spec["collective_timeout_s"])
+            kinds["world_hierarchical"] = world
         times: dict[str, list[list[float]]] = {k: [[] for _ in sizes] for k in kinds}
         answer = torch.zeros(1)
 
@@ -232,7 +275,24 @@ def _worker_main(argv: list[str] | None = None) -> int:
                 dist.send(answer, peer_a)
             return None
 
+        def two_level(buf: torch.Tensor) -> float:
+            finished = threading.Event()
+            errors: list[BaseException] = []
+
+            def done(exc: BaseException | None) -> None:
+                if exc is not None:
+                    errors.append(exc)
+                finished.set()
+            t0 = time.perf_counter()
+            hier.start(buf, done, "probe")
+            if not finished.wait(spec["collective_timeout_s"]):
+                raise TimeoutError("the two-level all-reduce of the probe did not finish")
+            if errors:
+                raise errors[0]
+            return time.perf_counter() - t0
+
         ops = {
+            "world_hierarchical": two_level,
             "world_allreduce": lambda buf: allreduce(None, list(range(world)), buf),
             "intra_allreduce": lambda buf: allreduce(intra, intra_ranks, buf),
             "intra_pingpong": lambda buf: pingpong(0, 1, buf),
@@ -251,6 +311,8 @@ def _worker_main(argv: list[str] | None = None) -> int:
                         times[kind][i].append(took)
                 progress("sweep", i * len(kinds) + k + 1, total)
         dist.barrier()
+        if hier is not None:
+            hier.close()
         result = {"rank": rank, "sizes": sizes, "kinds": kinds, "times": times}
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
         import traceback
@@ -298,6 +360,38 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="netns: shaped namespaces (needs root; falls back to loopback); loopback: unshaped")
 
 
+def _cache_file(workers: int, nodes: int | None, bandwidth: str | None, intra_bandwidth: str | None,
+                network: str, cache_dir: str | None) -> str:
+    from commsched.bench.netns import parse_rate
+
+    nodes = workers if nodes is None else nodes
+    rates = [parse_rate(bandwidth), parse_rate(intra_bandwidth)]
+    key = f"{network}-{workers}w-{nodes}n-{rates[0] or 'none'}-{rates[1] or 'none'}.json"
+    return os.path.join(cache_dir or CACHE_DIR, key)
+
+
+def save_probe(topo: Topology, network: str = "netns", cache_dir: str | None = None) -> str:
+    """Keep ``topo`` (a probe's result) in the cache under its cluster's flags; returns the path."""
+    meta = topo.meta
+    path = _cache_file(meta["workers"], meta["nodes"], meta["bandwidth"], meta["intra_bandwidth"], network, cache_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    topo.to_json(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def cached_probe(workers: int, nodes: int | None, bandwidth: str | None, intra_bandwidth: str | None = None,
+                 network: str = "netns", cache_dir: str | None = None) -> Topology | None:
+    """The topology ``commsched probe`` last measured for these flags, or None."""
+    path = _cache_file(workers, nodes, bandwidth, intra_bandwidth, network, cache_dir)
+    if not os.path.exists(path):
+        return None
+    try:
+        return Topology.from_json(path)
+    except ValueError:
+        return None  # an older or broken entry: as if there were none
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``commsched probe`` flags."""
     parser.description = ("Measure the emulated cluster `commsched bench` builds for these flags with gloo "
@@ -322,7 +416,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"commsched probe: {exc}", file=sys.stderr)
         return 1
     topo.to_json(args.json)
+    cached = save_probe(topo, topo.meta.get("emulation") or args.network)
     print(format_topology(topo))
+    print(f"kept for the benchmark's planned strategy in {cached}")
     return 0
 
 
@@ -337,6 +433,10 @@ def format_topology(topo: Topology) -> str:
         note = "" if isinstance(fit, dict) else "  (not measured: configured)"
         rows.append(f"{cls:<6} {link.alpha_s * 1e6:9.1f} {link.bandwidth / 1e6:10.1f} {conf['bandwidth'] / 1e6:16.1f} "
                     f"{link.bandwidth / conf['bandwidth']:9.3f} {res:>8}{note}")
+    for algorithm, seconds in sorted(topo.extra_s.items()):
+        slope = topo.extra_s_per_byte.get(algorithm, 0.0) * (1 << 20)
+        rows.append(f"{algorithm} all-reduce of the world: {seconds * 1e3:.2f} ms per collective + {slope * 1e3:.2f} "
+                    "ms per MiB beyond the alpha-beta model (extra_s, extra_s_per_byte)")
     rows.append(f"{topo.describe()}; {meta['emulation_note']}; probe took {meta['wall_s']:.0f} s")
     return "\n".join(rows)
 

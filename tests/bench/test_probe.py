@@ -8,7 +8,7 @@ import pytest
 
 from commsched.bench import netns
 from commsched.costmodel.fit import fit_link, ping_pong, ring_allreduce
-from commsched.costmodel.topology import Topology
+from commsched.costmodel.topology import Link, Topology
 
 SIZES = [4096 * 4 ** k for k in range(8)]
 
@@ -70,3 +70,25 @@ def test_a_short_probe_of_a_shaped_two_node_cluster_finds_the_configured_bandwid
     path = tmp_path / "topo.json"
     topo.to_json(str(path))
     assert Topology.from_json(str(path)) == topo
+
+
+def test_the_engines_cost_beyond_alpha_beta_is_fitted_per_algorithm_and_cached_per_cluster(tmp_path):
+    from commsched.costmodel.collectives import allreduce_s
+    from commsched.plugins.torch.probe import _engine_extra, cached_probe, save_probe
+
+    fitted = Topology(nodes=2, ranks_per_node=2, intra=Link(1e-4, 1e9), inter=Link(2e-4, 6e7), source="probe",
+                      meta={"workers": 4, "nodes": 2, "bandwidth": "500mbit", "intra_bandwidth": None})
+    sizes = [4096 * 4 ** k for k in range(6)]
+    points = {kind: [{"bytes": b, "time_s": allreduce_s(fitted, b, alg) + extra + per_byte * b, "n": 4}
+                     for b in sizes]
+              for kind, alg, extra, per_byte in (("world_allreduce", "ring", 0.0, 0.0),
+                                                 ("world_hierarchical", "hierarchical", 3e-3, 2e-9))}
+    extra = _engine_extra(points, fitted)
+    assert extra["ring"] == pytest.approx(0.0, abs=1e-12) and extra["per_byte"]["ring"] == pytest.approx(0.0, abs=1e-15)
+    assert extra["hierarchical"] == pytest.approx(3e-3 + 2e-9 * 65536, rel=0.05)  # the median of the small sizes
+    assert extra["per_byte"]["hierarchical"] == pytest.approx(2e-9)
+    assert cached_probe(4, 2, "500mbit", cache_dir=str(tmp_path)) is None
+    save_probe(fitted, "netns", cache_dir=str(tmp_path))
+    assert cached_probe(4, 2, "500mbit", cache_dir=str(tmp_path)) == fitted
+    assert cached_probe(4, 2, "1gbit", cache_dir=str(tmp_path)) is None  # another cluster: no entry
+    assert cached_probe(4, 2, "500mbit", network="loopback", cache_dir=str(tmp_path)) is None

@@ -142,3 +142,22 @@ def test_seventy_billion_bf16_gradients_on_16x8_at_100gbit_take_seconds_not_mill
     grads = 70e9 * 2
     assert allreduce_s(topo, grads, "ring") > 2 * 127 / 128 * grads / 12.5e9  # ≥ 22 s
     assert best_algorithm(topo, grads)[1] > 10.0
+
+
+def test_the_engines_measured_extra_cost_lands_on_the_first_phase_of_its_algorithm_only():
+    from commsched.costmodel.topology import Link, Topology
+
+    base = Topology(nodes=2, ranks_per_node=2, intra=Link(1e-4, 1e9), inter=Link(1e-4, 1e8))
+    slow = Topology(nodes=2, ranks_per_node=2, intra=base.intra, inter=base.inter,
+                    extra_s={"hierarchical": 2e-3}, extra_s_per_byte={"hierarchical": 1e-9})
+    nbytes = 8 << 20
+    assert allreduce_s(slow, nbytes, "ring") == allreduce_s(base, nbytes, "ring")
+    extra = allreduce_s(slow, nbytes, "hierarchical") - allreduce_s(base, nbytes, "hierarchical")
+    assert extra == pytest.approx(2e-3 + 1e-9 * nbytes)
+    first, *rest = allreduce_phases(slow, nbytes, "hierarchical")
+    assert first.seconds - allreduce_phases(base, nbytes, "hierarchical")[0].seconds == pytest.approx(extra)
+    assert allreduce_s(slow, 0, "hierarchical") == 0.0  # nothing moves: no engine cost either
+    again = Topology.from_dict(slow.to_dict())
+    assert again.extra_s == slow.extra_s and again.extra_s_per_byte == slow.extra_s_per_byte
+    with pytest.raises(ValueError, match="extra_s"):
+        Topology(nodes=1, ranks_per_node=2, intra=base.intra, inter=base.inter, extra_s={"ring": -1.0})
