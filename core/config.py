@@ -16,7 +16,7 @@ __all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "parse_
            "read_environment"]
 
 ENV_PREFIX = "COMMSCHED_"
-ORDERINGS = ("dynamic", "static", "fifo", "planned")
+ORDERINGS = ("dynamic", "static", "fifo", "planned", "auto")
 
 _UNSET: Any = type("_Unset", (), {"__repr__": lambda self: "<unset>"})()
 
@@ -173,7 +173,11 @@ class SchedulerConfig:
             rank), ``"fifo"`` (local ready order; only for engines that agree on
             order themselves, and as a baseline), or ``"planned"`` (the order, piece
             sizes, fusion groups and algorithms of ``plan``, fixed before training on
-            every rank). Default ``"dynamic"``.
+            every rank), or ``"auto"`` (PyTorch: an online tuner chooses the ordering,
+            piece size, credit and fusion threshold from measured step times, changing
+            them only at step boundaries every rank agreed on; docs/tuning.md).
+            Default ``"dynamic"`` (``"auto"`` becomes the default only once the issue's
+            benchmark targets are measured to hold).
         cross_iteration: let the next forward start layer by layer while later
             layers are still communicating. Default True.
         timeout_s: longest any wait may block before raising ``CommschedTimeout``.
@@ -182,7 +186,9 @@ class SchedulerConfig:
         plan: with ``ordering="planned"``, the plan to execute: the path of a JSON
             written by ``commsched plan`` (or a :class:`commsched.plan.Plan`). With a
             plan, ``partition_bytes`` and ``credit_bytes`` come from the plan. None
-            (the default) with ``"planned"``: plan in-process from the first steps.
+            (the default) with ``"planned"``: the PyTorch optimizer runs the first steps
+            as ``"dynamic"``, rank 0 plans from their profile and every rank switches to the
+            plan at an agreed step (docs/tuning.md).
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and

@@ -606,6 +606,10 @@ def load_plan(config: SchedulerConfig) -> CommPlan:
 def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_order: bool) -> DispatchPolicy:
     """The policy of this rank: the one place where ``ordering`` is looked at."""
     credit = config.credit_bytes
+    if config.ordering == "auto":
+        raise ValueError("ordering='auto' is a tuner over the other orderings, driven by the PyTorch "
+                         "DistributedOptimizer at step boundaries; a Scheduler (or another plugin) needs one of "
+                         "dynamic, static, fifo, planned")
     if config.ordering not in ("dynamic", "static", "fifo", "planned"):
         raise ValueError(f"ordering={config.ordering!r} has no dispatch policy")
     if config.ordering == "planned":  # the plan's order on every rank (one rank: the same), no agreement needed

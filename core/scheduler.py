@@ -64,6 +64,9 @@ class Scheduler(Closeable):
         observer: called with ``(piece, queued_keys, in_flight_bytes)`` under the lock each
             time this rank decides to start a piece (tests, tracing); must be quick and must
             not call the scheduler.
+        timeline: a :class:`~commsched.timeline.Timeline` to record into (default: a new one from
+            ``config.timeline``); a plugin that replaces its scheduler at an agreed step boundary
+            passes the first one on, so one file has the whole run.
 
     Priorities: smaller is more urgent (0 is what the next forward needs first). Call
     :meth:`mark_step` once per step, after the step's last submit: ranks check agreement there.
@@ -71,7 +74,8 @@ class Scheduler(Closeable):
 
     def __init__(self, backend: Backend, ops: TensorOps, config: SchedulerConfig | None = None, *,
                  store: Store | None = None, key_prefix: str = "commsched",
-                 observer: Callable[[Piece, list, int], None] | None = None) -> None:
+                 observer: Callable[[Piece, list, int], None] | None = None,
+                 timeline: Timeline | None = None) -> None:
         self.config = config if config is not None else SchedulerConfig()
         self.backend, self.ops = backend, ops
         self.rank, self.world_size = int(backend.rank), int(backend.world_size)
@@ -83,7 +87,7 @@ class Scheduler(Closeable):
                 "order itself")
         self._channel = Channel(store, key_prefix, self.rank, self.world_size) if store is not None else None
         self._state = SchedulerState(policy, ops, self.config.partition_bytes, self._channel, self.rank, observer)
-        self.timeline = Timeline(self.config.timeline, self.rank, self.world_size)
+        self.timeline = timeline if timeline is not None else Timeline(self.config.timeline, self.rank, self.world_size)
         self._lock = threading.Lock()
         self._dispatch_cv, self._complete_cv, self._publish_cv, self._idle_cv = (
             threading.Condition(self._lock) for _ in range(4))

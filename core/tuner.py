@@ -33,7 +33,8 @@ twice: horovod#2207 shows single autotune scores varying by 8 %).
 It stops when the *predicted gain* is below ``min_gain`` (2 %): the best improvement over the
 incumbent among the last ``patience`` samples, an empirical estimate of what another sample
 brings, is smaller than that; or after ``max_samples`` (20). Settled, it checks every
-``check_every`` steps whether the median period drifted more than ``drift`` (5 %) from the
+``check_every`` steps whether the median period of the last ``sample_steps`` drifted more than
+``drift`` (5 %) and more than twice the noise (the larger spread of the two) from the
 incumbent's score, and re-tunes (from the incumbent) if so. One log line per decision
 (logger ``commsched.tuner``); :meth:`Tuner.stats` has the history.
 """
@@ -386,7 +387,8 @@ class Tuner:
             return self._log(step, Decision(None, step + self.check_every, "settled: too few steps to check"))
         now = statistics.median(self._settled_periods)
         moved = now / self.incumbent_score - 1
-        if abs(moved) <= self.drift:
+        noise = max(spread(self._settled_periods), self.incumbent_spread)
+        if abs(moved) <= self.drift or abs(now - self.incumbent_score) <= 2 * noise:  # within the noise: keep
             return Decision(None, step + self.check_every, f"settled: {moved:+.1%}")  # not logged: no change
         # re-tune from the incumbent: a fresh search whose first sample is the incumbent itself
         self.phase, self.rounds, self.samples, self._gains = "tuning", self.rounds + 1, 0, []

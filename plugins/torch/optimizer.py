@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import os
 import sys
 import time
 import warnings
@@ -49,6 +50,7 @@ from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
+from commsched.tuner import UNLIMITED_BYTES, AgreedSwitch, Decision, Settings, Tuner
 from commsched.plugins.torch.backends import default_store, make_backend, resolve_backend
 from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
@@ -228,6 +230,59 @@ class _Fusion:
         return [s.name for s in self.members if id(s) not in self.arrived]
 
 
+#: ``ordering="auto"`` and ``"planned"`` without a plan run this many steps as ``dynamic`` while the
+#: recorder times them; rank 0 decides at the end of the last one, every rank switches two steps later.
+ADAPT_RECORD_STEPS = 4
+#: The planner's MILP budget when ``"planned"`` plans in-process (seconds, after its greedy grid).
+PLAN_TIME_LIMIT_S = 10.0
+#: The link bandwidth of the default topology (a flat ring of ``world_size`` nodes) that ``"auto"`` and
+#: in-process ``"planned"`` model when no ``topology=`` is given; pass the one ``commsched probe`` measures.
+DEFAULT_BANDWIDTH = "10gbit"
+#: The tuner's settings (docs/tuning.md): 1 settle + 4 scored steps per sample, at most 20 samples.
+TUNER_OPTIONS: dict[str, Any] = dict(sample_steps=4, settle=1, max_samples=20, min_gain=0.02, drift=0.05,
+                                     check_every=50)
+
+tuner_log = logging.getLogger("commsched.tuner")
+
+
+class _Reusable:
+    """The engine, shared by the schedulers an optimizer makes one after another: closing a scheduler
+    closes it, except during a switch (``keep_open``), when the next scheduler takes it over."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.keep_open = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def close(self) -> None:
+        if not self.keep_open:
+            self._backend.close()
+
+
+def _load_topology(topology: Any) -> Any:
+    """``topology=``: None, a :class:`commsched.costmodel.Topology`, or the path of its JSON."""
+    if topology is None:
+        return None
+    from commsched.costmodel.topology import Topology
+
+    if isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, (str, os.PathLike)):
+        return Topology.from_json(os.fspath(topology))
+    raise TypeError(f"topology must be a commsched.costmodel.Topology or the path of its JSON (from `commsched "
+                    f"probe --json topology.json`), got {type(topology).__name__}")
+
+
+def _check_tuner_importable() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("optuna") is None:
+        raise ValueError("ordering='auto' tunes with Optuna, which is not installed: pip install optuna==5.0.0 "
+                         "(or pip install 'commsched[tuner]'), or choose an ordering (ordering='dynamic')")
+
+
 def size_groups(states: list[_ParamState], fusion_bytes: int) -> list[list[_ParamState]]:
     """Runs of adjacent small gradients to fuse, in the order of ``states``: each member smaller
     than ``fusion_bytes``, one dtype and device, together at most ``fusion_bytes``; runs of one
@@ -310,7 +365,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                  named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]] = None,
                  compression: Any = None, op: Any = None, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                 process_set: Any = None) -> None:
+                 process_set: Any = None, topology: Any = None) -> None:
         # Every check runs before any thread, process group or hook exists.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer instance (e.g. "
@@ -360,9 +415,22 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "
                              "Horovod ranks (leave process_group=None)")
         config = config if config is not None else _default_config(backend)
+        adaptive = config.ordering == "auto" or (config.ordering == "planned" and config.plan is None)
+        if adaptive and model is None:
+            raise ValueError(f"ordering={config.ordering!r}" + (" without plan=" if config.ordering == "planned"
+                             else "") + " profiles the first steps layer by layer, which needs the model: pass "
+                             "model=your_module (or give a plan file, or choose ordering='dynamic')")
         if model is None and config.cross_iteration:
             warnings.warn(_NO_MODEL_WARNING, UserWarning, stacklevel=2)
             config = dataclasses.replace(config, cross_iteration=False)
+        # ordering="auto", or "planned" without a plan: start as "dynamic", switch at agreed step boundaries
+        self._requested = config
+        self._adaptive = adaptive
+        self._topology = _load_topology(topology)
+        if self._adaptive:
+            if config.ordering == "auto":
+                _check_tuner_importable()
+            config = dataclasses.replace(config, ordering="dynamic")
         self.config = config
         self._params = self._collect(model, named, optimizer)
         self._predivide = float(gradient_predivide_factor)
@@ -407,16 +475,29 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self.world_size = self._backend.world_size
         self._fusions: list[_Fusion] = []
         self.plan: Optional[Plan] = None
+        self._engine = _Reusable(self._backend) if self._adaptive else self._backend
+        self._epoch = 0  # schedulers made so far, minus one: each has its own key prefix
+        self._sched_base_step = 0  # the optimizer step at which the current scheduler started
+        self._retired: list[dict[str, Any]] = []  # stats of the schedulers replaced at switches
+        self._switches: list[dict[str, Any]] = []  # every decision taken, on every rank
+        self._tuner: Any = None  # rank 0 of ordering="auto", from the first decision on
+        self._pending_decision: Optional[int] = None  # step k whose decision applies from k+2
+        self._next_decision: Optional[int] = ADAPT_RECORD_STEPS - 1 if self._adaptive else None
+        self._last_step_end: Optional[float] = None
         try:
             store = None
             planned = self.config.ordering == "planned"
             if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order) or (
-                    planned and self.world_size > 1 and not self._backend.negotiates_order):
+                    (planned or self._adaptive) and self.world_size > 1 and not self._backend.negotiates_order):
                 store = default_store()  # planned: no decisions travel, but the plan check and aborts do
-            prefix = f"commsched/opt{next(_instances)}"
+            self._store = store
+            prefix = self._prefix = f"commsched/opt{next(_instances)}"
             if planned:
                 self._start_plan(store, prefix)
-            self._scheduler = Scheduler(self._backend, TorchOps(), self.config, store=store, key_prefix=prefix)
+            self._switch = AgreedSwitch(self.rank, self.world_size, store=store, prefix=prefix,
+                                        timeout_s=self.config.timeout_s,
+                                        broadcast=lambda obj: self._backend.broadcast_object(obj, 0))
+            self._scheduler = Scheduler(self._engine, TorchOps(), self.config, store=store, key_prefix=prefix)
         except BaseException:
             self._backend.close()
             raise
@@ -429,14 +510,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._abandon()
             raise
 
-    def _start_plan(self, store: Any, prefix: str) -> None:
+    def _start_plan(self, store: Any, prefix: str, source: Any = None) -> None:
         """``ordering="planned"``: check the plan against this model and world, agree on it with every
         rank (``PlanMismatch`` on every rank otherwise, before any step), then fuse its groups and
         set up its algorithms. Every rank runs this at the same point (it may create process groups)."""
-        source = self.config.plan
-        if source is None:
-            raise ValueError("ordering='planned' needs plan=<path of a plan JSON> (make one with `commsched plan "
-                             "--profile P --topology T --json plan.json`; profile with opt.profile())")
+        source = self.config.plan if source is None else source
         entries = [PlannedTensor(s.name, s.param.numel(), s.param.element_size(), tuple(s.param.shape),
                                  str(s.param.dtype).removeprefix("torch.")) for s in self._params]
         try:
@@ -474,6 +552,121 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             for s in states:
                 s.fusion = fusion
             self._fusions.append(fusion)
+
+    # ------------------------------------------------ agreed switches (auto, planned without a plan)
+    def _at_boundary(self, ended: int) -> None:
+        """End of step ``ended`` (every rank, user's thread). Rank 0 measures the step's period; at a
+        decision step it decides and publishes (:class:`commsched.tuner.AgreedSwitch`); one step later
+        every rank takes the decision and, if it changes anything, switches, so step ``k + 2`` runs it."""
+        now = time.perf_counter()
+        if self._last_step_end is not None and self._tuner is not None:
+            self._tuner.observe(ended, now - self._last_step_end)
+        if self._pending_decision is not None and ended == self._pending_decision + 1:
+            decided, self._pending_decision = self._pending_decision, None
+            decision = self._switch.take(decided)
+            self._next_decision = decision.next
+            self._apply_decision(decided, decision)
+        if self._next_decision is not None and ended == self._next_decision:
+            if self.rank == 0:
+                self._switch.publish(ended, self._decide(ended))
+            self._pending_decision = ended
+            self._next_decision = None  # the decision names the next one
+        self._last_step_end = time.perf_counter()  # a switch's own time is not the next step's
+
+    def _decide(self, ended: int) -> Decision:
+        """Rank 0, at the end of decision step ``ended``: plan (``planned``) or ask the tuner (``auto``).
+        A failure becomes an error every rank raises at the same step."""
+        try:
+            if self._requested.ordering == "planned":
+                return self._plan_decision()
+            if self._tuner is None:
+                self._tuner = self._make_tuner()
+                return self._tuner.first(ended)
+            return self._tuner.decide(ended)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear why
+            tuner_log.exception("rank 0 could not decide the settings at step %d", ended)
+            return Decision(error=f"{type(exc).__name__}: {exc}", reason="failed")
+
+    def _topology_or_default(self) -> Any:
+        from commsched.costmodel.topology import Topology
+
+        if self._topology is not None:
+            return self._topology
+        return Topology.described(f"{self.world_size}x1", intra=DEFAULT_BANDWIDTH, inter=DEFAULT_BANDWIDTH)
+
+    def _plan_decision(self) -> Decision:
+        try:
+            from commsched.costmodel.planner import make_plan
+        except ImportError as exc:
+            raise ImportError(f"ordering='planned' without a plan needs the planner ({exc}): pip install "
+                              "highspy==1.16.0, or pass plan=<a plan JSON>") from exc
+        started = time.monotonic()
+        result = make_plan(self.profile(), self._topology_or_default(), time_limit_s=PLAN_TIME_LIMIT_S)
+        reason = (f"planned from the profile of steps 0-{ADAPT_RECORD_STEPS - 1} in {time.monotonic() - started:.1f} "
+                  f"s: predicted step {result.step_time_s * 1e3:.2f} ms")
+        tuner_log.info("planner: %s; digest %s", reason, result.plan.digest)
+        return Decision(plan=result.plan.to_dict(), reason=reason)
+
+    def _make_tuner(self) -> Any:
+        """The tuner of ``ordering="auto"``: starts at the cost model's recommendation for the profile
+        of the first steps (``commsched.costmodel.cli.advise``), then the config's own settings and
+        plain fifo without partition or credit."""
+        own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
+                       self._requested.fusion_bytes)
+        plain_fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, self._requested.fusion_bytes)
+        start = own
+        try:
+            from commsched.costmodel.cli import advise
+
+            advice = advise(self.profile(), self._topology_or_default())["settings"]
+            start = Settings(advice["ordering"], advice.get("partition_bytes", UNLIMITED_BYTES),
+                             advice.get("credit_bytes", UNLIMITED_BYTES), self._requested.fusion_bytes)
+            tuner_log.info("cost model recommends %s", start.describe())
+        except Exception as exc:  # noqa: BLE001 - the model is a head start, not a requirement
+            tuner_log.warning("no cost-model recommendation (%r); the tuner starts from the config", exc)
+        return Tuner(start, extra_starts=(own, plain_fifo), **TUNER_OPTIONS)
+
+    def _apply_decision(self, decided: int, decision: Decision) -> None:
+        """Every rank, at the end of step ``decided + 1``: the same change, or the same error."""
+        record = {"decided_at": decided, "applies_from": decided + 2, "reason": decision.reason,
+                  "settings": decision.settings.to_dict() if decision.settings else None,
+                  "plan": decision.plan is not None}
+        self._switches.append(record)
+        if decision.error is not None:
+            self._next_decision = None
+            raise CommschedError(f"rank 0 could not choose the settings for ordering="
+                                 f"{self._requested.ordering!r} at step {decided}: {decision.error}; pass the "
+                                 "settings yourself (ordering='dynamic', or a plan file for 'planned')")
+        if decision.plan is not None:
+            self._rebuild(dataclasses.replace(self.config, ordering="planned", plan=None),
+                          plan=Plan.from_dict(decision.plan))
+        elif decision.settings is not None:
+            st = decision.settings
+            self._rebuild(dataclasses.replace(self.config, ordering=st.ordering, partition_bytes=st.partition_bytes,
+                                              credit_bytes=st.credit_bytes, fusion_bytes=st.fusion_bytes, plan=None))
+
+    def _rebuild(self, config: SchedulerConfig, plan: Optional[Plan] = None) -> None:
+        """Replace the scheduler with one of ``config`` (and ``plan``), with nothing in flight: every
+        gradient submitted so far is reduced and applied first; fusion groups are made anew."""
+        self.synchronize()
+        old = self._scheduler
+        self._retired.append(dict(old.stats(), base_step=self._sched_base_step))
+        self._engine.keep_open = True
+        try:
+            old.close()
+        finally:
+            self._engine.keep_open = False
+        for s in self._params:
+            s.fusion = None
+        self._fusions, self.plan, self._fusion_pending = [], None, True
+        self._epoch += 1
+        prefix = f"{self._prefix}/e{self._epoch}"
+        self.config = config
+        if plan is not None:
+            self._start_plan(self._store, prefix, source=plan)
+        self._scheduler = Scheduler(self._engine, TorchOps(), self.config, store=self._store, key_prefix=prefix,
+                                    timeline=self.timeline)
+        self._sched_base_step = self._steps
 
     def _abandon(self) -> None:
         """Undo a constructor that failed after the threads started: remove the hooks,
@@ -863,6 +1056,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 if s.future is not None and s.hyper is None:
                     s.hyper = snapshots[id(s.group)]
         self._steps += 1
+        if self._adaptive:
+            self._at_boundary(self._steps - 1)
         self._bubbles.append(self._bubble)
         if len(self._bubbles) > _BUBBLE_HISTORY:
             del self._bubbles[: len(self._bubbles) - _BUBBLE_HISTORY]
@@ -937,18 +1132,34 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
 
     def stats(self) -> dict[str, Any]:
         """Per-step bubble time (seconds the forward or ``step()`` blocked on communication,
-        most recent steps last), totals, and the scheduler's counters (pieces, bytes, order)."""
+        most recent steps last), totals, and the scheduler's counters (pieces, bytes, order).
+
+        With ``ordering="auto"`` (or ``"planned"`` without a plan) ``ordering`` is the one in use
+        now, ``requested_ordering`` the config's, the scheduler's ``per_step`` is numbered by
+        optimizer step, and ``tuner`` has every decision taken (``switches``, on every rank) and,
+        on rank 0 of ``auto``, the tuner's phase, incumbent and sample history."""
         sched = self._scheduler.stats()
+        if self._sched_base_step:
+            sched["per_step"] = {k + self._sched_base_step: v for k, v in sched["per_step"].items()}
         if self._gpu_waits:
             self._account_gpu_waits(block=True)
+        adaptive = {}
+        if self._adaptive:
+            adaptive = {"requested_ordering": self._requested.ordering,
+                        "tuner": dict(self._tuner.stats() if self._tuner is not None else {},
+                                      role="decides" if self.rank == 0 else "follows",
+                                      switches=list(self._switches), next_decision=self._next_decision,
+                                      settings={k: self.config.__dict__[k] for k in (
+                                          "ordering", "partition_bytes", "credit_bytes", "fusion_bytes")})}
         return {
             "steps": self._steps,
             "bubble_s": list(self._bubbles),
             "bubble_total_s": float(sum(self._bubbles)),
-            "pieces": sched["pieces"],
-            "bytes": sched["bytes"],
+            "pieces": sched["pieces"] + sum(r["pieces"] for r in self._retired),
+            "bytes": sched["bytes"] + sum(r["bytes"] for r in self._retired),
             "cross_iteration": self._cross,
             "ordering": self.config.ordering,
+            **adaptive,
             "priorities": {s.name: s.priority for s in sorted(self._params, key=lambda s: s.priority)},
             "fusion_bytes": self.config.fusion_bytes,
             "fused": {f.name: [m.name for m in f.members] for f in self._fusions},

@@ -100,7 +100,7 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
-                         alternate_branch=False)
+                         alternate_branch=False, fast_tuner=False)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -157,6 +157,9 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                                        ordering="planned" if plan else sc["ordering"], plan=plan_path,
                                        cross_iteration=bool(sc["cross"]), timeout_s=TIMEOUT_S, timeline=sc["timeline"],
                                        fusion_bytes=sc["fusion"])
+    if sc["fast_tuner"]:  # ordering="auto" in few steps: 1 settle + 2 scored steps per sample, 6 samples
+        from commsched.plugins.torch import optimizer as optimizer_module
+        optimizer_module.TUNER_OPTIONS.update(sample_steps=2, settle=1, max_samples=6, check_every=4)
     started = time.monotonic()
     opt = None
     try:
@@ -225,8 +228,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             numel = sum(dict(ref.named_parameters())[m].numel() for m in members)
             expected_pieces[group] = len(piece_bounds(numel, dict(ref.named_parameters())[members[0]].element_size(),
                                                       sc["partition"]))
-        if sc["alternate_branch"]:
-            expected_pieces = None  # the tasks differ between even and odd steps
+        if sc["alternate_branch"] or sc["ordering"] == "auto" or (sc["ordering"] == "planned" and not plan):
+            expected_pieces = None  # the tasks differ between steps (branches taken; settings switched)
         if plan is not None:  # the plan cuts each group at its own size
             expected_pieces = {g.name: len(plan.bounds(g)) for g in plan.groups}
             result["plan_order"] = list(plan.piece_names)

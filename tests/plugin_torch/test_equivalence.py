@@ -210,3 +210,29 @@ def test_small_gradients_fused_by_size_are_bitwise_on_two_ranks_in_every_orderin
     # odd steps: the group is incomplete, so its members went one by one
     odd = [s for s in alternating["order"].values() if any(n.startswith("trunk.weight#") for n in s["order"])]
     assert odd, alternating["order"]
+
+
+# ------------------------------------------------------------------ switches at agreed steps
+@pytest.mark.timeout(240)
+def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise_on_two_ranks(ranks):
+    items = [{"ordering": "auto", "optimizer": "adam", "fast_tuner": True, "steps": 30},
+             {"ordering": "auto", "optimizer": "sgd_momentum", "fast_tuner": True, "steps": 22, "cross": 0},
+             {"ordering": "auto", "optimizer": "adamw", "fast_tuner": True, "steps": 22, "delay": 0.002,
+              "lr_scheduler": True},
+             {"ordering": "planned", "optimizer": "adam", "steps": 9},
+             {"ordering": "planned", "optimizer": "sgd_momentum", "steps": 8, "cross": 0}]
+    results = ranks(2, *scenarios(*items), timeout=220)
+    check_all(results, exact=True)
+    for a, b in zip(results[0], results[1], strict=True):
+        tuner_a, tuner_b = a["stats"]["tuner"], b["stats"]["tuner"]
+        assert tuner_a["switches"] == tuner_b["switches"], a["scenario"]  # the same decisions, same steps
+        assert tuner_a["role"] == "decides" and tuner_b["role"] == "follows"
+        assert a["order"] == b["order"], a["scenario"]  # the same pieces in the same order, every step
+        assert all(s["applies_from"] == s["decided_at"] + 2 for s in tuner_a["switches"])
+        if a["scenario"]["ordering"] == "planned":
+            assert a["stats"]["ordering"] == "planned" and a["stats"]["requested_ordering"] == "planned"
+            assert [s["plan"] for s in tuner_a["switches"]] == [True] and tuner_a["switches"][0]["decided_at"] == 3
+        else:
+            changed = [s for s in tuner_a["switches"] if s["settings"] is not None]
+            assert len(changed) >= 2, tuner_a["switches"]  # the tuner did move between settings
+            assert len(tuner_a["history"]) >= 3

@@ -1,0 +1,100 @@
+"""ordering="auto" and "planned" without a plan on one rank: the public contract (opt.stats()["tuner"],
+one log line per decision, the agreed boundary k -> k+2) and the errors for bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import commsched  # noqa: E402
+from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
+from commsched.plugins.torch import optimizer as optimizer_module  # noqa: E402
+from helpers import free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fast_tuner(monkeypatch):
+    monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=4,
+                                                                check_every=100))
+
+
+def model_of():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def train(opt, model, steps):
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    opt.synchronize()
+
+
+def test_auto_tunes_at_agreed_steps_logs_each_decision_and_reports_its_history(fast_tuner, caplog):
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="auto", timeout_s=30))
+    with caplog.at_level(logging.INFO, logger="commsched.tuner"):
+        train(opt, model, 40)
+    stats = opt.stats()
+    opt.close()
+    tuner = stats["tuner"]
+    assert stats["requested_ordering"] == "auto" and stats["ordering"] in ("dynamic", "static", "fifo")
+    assert tuner["role"] == "decides" and tuner["phase"] == "settled" and tuner["samples"] <= 4
+    assert tuner["switches"][0]["decided_at"] == optimizer_module.ADAPT_RECORD_STEPS - 1
+    assert all(s["applies_from"] == s["decided_at"] + 2 for s in tuner["switches"])
+    assert {"settings", "median_s", "spread_s", "verdict"} <= set(tuner["history"][0])
+    decisions = [r for r in caplog.records if r.name == "commsched.tuner" and r.getMessage().startswith("tuner step")]
+    assert len(decisions) == len(tuner["switches"])  # one line per decision (settled checks without change: none)
+    assert commsched.SchedulerConfig().ordering == "dynamic"  # auto is not the default (docs/tuning.md)
+
+
+def test_planned_without_a_plan_runs_dynamic_then_switches_to_its_own_plan():
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="planned", timeout_s=30))
+    assert opt.stats()["ordering"] == "dynamic"
+    train(opt, model, optimizer_module.ADAPT_RECORD_STEPS + 2)
+    stats = opt.stats()
+    opt.close()
+    assert stats["ordering"] == "planned" and stats["plan"]["pieces"] > 0
+    assert stats["tuner"]["switches"][0]["plan"] is True
+
+
+def test_auto_and_planned_without_a_plan_need_the_model_and_say_so():
+    model = model_of()
+    for ordering in ("auto", "planned"):
+        with pytest.raises(ValueError, match="needs the model: pass model=your_module"):
+            DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backend="torch",
+                                 named_parameters=model.named_parameters(),
+                                 config=commsched.SchedulerConfig(ordering=ordering))
+
+
+def test_a_topology_of_the_wrong_type_is_refused_naming_the_fix():
+    model = model_of()
+    with pytest.raises(TypeError, match="topology must be a commsched.costmodel.Topology or the path"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                             config=commsched.SchedulerConfig(ordering="auto"), topology=42)
+
+
+def test_a_scheduler_cannot_run_auto_itself():
+    from commsched.policy import make_policy
+
+    with pytest.raises(ValueError, match="ordering='auto' is a tuner"):
+        make_policy(commsched.SchedulerConfig(ordering="auto"), 0, 1, False)
