@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned")
+#: ``auto``: the online tuner (``SchedulerConfig(ordering="auto")``; it needs steps to tune: docs/tuning.md)
+COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned", "auto")
 #: commsched strategies: the orderings, and ``hierarchical`` (``dynamic`` with every piece
 #: reduced by the two-level algorithm, to attribute the algorithm's gain alone)
 COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical")
@@ -15,7 +16,7 @@ class StrategySpec:
     """A parsed ``--strategies`` entry."""
 
     name: str  # as the user wrote it, e.g. "ddp:4"
-    kind: str  # ddp | horovod | fifo | dynamic | static | planned | hierarchical | allreduce
+    kind: str  # ddp | horovod | fifo | dynamic | static | planned | auto | hierarchical | allreduce
     bucket_mb: float | None = None
 
     @property
@@ -25,7 +26,7 @@ class StrategySpec:
 
 
 def parse_strategies(text: str) -> list[StrategySpec]:
-    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static,planned,hierarchical"``; ``ValueError`` on a bad entry."""
+    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static,auto,planned,hierarchical"``; ``ValueError`` on a bad entry."""
     specs = []
     for raw in text.split(","):
         name = raw.strip()
@@ -48,7 +49,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         else:
             raise ValueError(
                 f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, "
-                "dynamic, static, planned, hierarchical or allreduce"
+                "dynamic, static, auto, planned, hierarchical or allreduce"
             )
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")

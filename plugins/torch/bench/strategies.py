@@ -11,6 +11,9 @@ name               what runs
 ``static``         commsched, order fixed from the first profiled step
 ``planned``        commsched running a plan rank 0 makes at start (profile of the
                    workload, cached; the bench's emulated topology; ``make_plan``)
+``auto``           commsched's online tuner (``ordering="auto"``) on the bench's emulated
+                   topology; it spends its first steps tuning (``--warmup`` should cover
+                   them: docs/tuning.md)
 ``hierarchical``   commsched ``dynamic`` with every piece reduced by the two-level
                    algorithm on the bench's nodes (the algorithm's gain alone)
 ``allreduce``      backward, then one flat all-reduce (no overlap at all)
@@ -159,7 +162,8 @@ class CommschedStrategy(Strategy):
 
     def __init__(self, model: nn.Module, make_opt: Callable, ordering: str,
                  partition_bytes: int, credit_bytes: int, timeline: str | None, *,
-                 plan: str | None = None, hierarchical: tuple[int, int] | None = None) -> None:
+                 plan: str | None = None, hierarchical: tuple[int, int] | None = None,
+                 topology: Any = None) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -175,7 +179,7 @@ class CommschedStrategy(Strategy):
             cross_iteration=True, timeline=timeline, plan=plan,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
-                                   config=config)
+                                   config=config, topology=topology)
         if hierarchical is not None:  # every rank, before the first piece: it creates process groups
             opt._backend.use_hierarchical(*hierarchical, every_piece=True)
         super().__init__(model, opt)
@@ -360,6 +364,13 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
     if spec.kind == "planned":
         return PlannedStrategy(model, make_opt, run_spec, rank, timeline)
+    if spec.kind == "auto":  # the tuner's cost-model start point sees the emulated network
+        from commsched.costmodel.topology import Topology
+
+        topology = Topology.emulated(run_spec["world_size"], run_spec["nodes"], run_spec.get("bandwidth") or "none",
+                                     run_spec.get("intra_bandwidth"))
+        return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
+                                 timeline, topology=topology)
     if spec.kind == "hierarchical":
         nodes = run_spec["nodes"]
         return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
