@@ -30,6 +30,7 @@ from commsched.bench.options import mebibytes, parse_strategy_list
 from commsched.bench.procs import signals_raise
 from commsched.bench.picture import draw_timeline
 from commsched.bench.report import (
+    REGIME_TARGET,
     assemble_report,
     build_report,
     markdown,
@@ -89,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds one phase (one strategy) may take before its workers "
                              "are killed (default 900)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="before the baseline, measure compute and comm at two batch sizes and pick the one "
+                             "that puts the workload in its named regime on this machine (two short extra "
+                             "phases; without it the report only says which regime was measured)")
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -105,8 +110,17 @@ def _config(args: argparse.Namespace) -> RunConfig:
     parse_rate(args.bandwidth)
     parse_rate(args.intra_bandwidth)
     strategies = parse_strategies(args.strategies)
+    calibrate = getattr(args, "calibrate", False)
+    if calibrate and args.batch_size is not None:
+        raise ValueError(f"--calibrate chooses the batch size itself; drop --batch-size {args.batch_size} "
+                         "or --calibrate")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     # Last: it imports the framework, slow enough that argument errors should come first.
     workload = importlib.import_module(f"{PLUGIN}.workloads").get_workload(args.workload)
+    if calibrate and REGIME_TARGET.get(workload.regime or "") is None:
+        raise ValueError(f"--calibrate needs a workload that names its regime (comm-heavy, balanced, "
+                         f"compute-heavy, gpt2); {args.workload!r} names none: pass --batch-size instead")
     return RunConfig(
         workload=args.workload, workers=args.workers, nodes=nodes,
         bandwidth=None if parse_rate(args.bandwidth) is None else args.bandwidth,
@@ -115,7 +129,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         batch_size=args.batch_size or workload.batch_size,
         partition_bytes=int(args.partition_mb * MB), credit_bytes=int(args.credit_mb * MB),
         network=args.network, timeline_dir=args.timeline, seed=args.seed,
-        phase_timeout_s=args.timeout,
+        phase_timeout_s=args.timeout, calibrate=calibrate,
     )
 
 
@@ -138,10 +152,17 @@ def run(args: argparse.Namespace) -> int:
     work_dir = make_work_dir()
     print(f"commsched bench: {config.workload}, {config.workers} workers, "
           f"{cluster.note}; logs in {work_dir}", file=sys.stderr)
+    calibration: dict[str, Any] = {"expected": workload.regime, "default_batch_size": config.batch_size,
+                                   "batch_size": config.batch_size}
     try:
         with signals_raise(), cluster:
-            baseline, phases = Runner(config, cluster, work_dir, worker_module=f"{PLUGIN}.worker",
-                                      unavailable=strategies.unavailable_reason).run_all()
+            runner = Runner(config, cluster, work_dir, worker_module=f"{PLUGIN}.worker",
+                            unavailable=strategies.unavailable_reason)
+            if config.calibrate:
+                calibration.update(runner.calibrate(REGIME_TARGET[workload.regime]))
+                print(f"commsched bench: --calibrate: batch {config.batch_size} per worker "
+                      f"(default {calibration['default_batch_size']})", file=sys.stderr)
+            baseline, phases = runner.run_all()
     except NetworkSetupError as exc:
         print(f"commsched bench: cannot build the emulated network: {exc}\n"
               "  (use --network loopback to run unshaped)", file=sys.stderr)
@@ -161,11 +182,11 @@ def run(args: argparse.Namespace) -> int:
         "warmup": config.warmup, "baseline_steps": config.baseline_steps,
         "batch_size": config.batch_size, "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "network": config.network, "seed": config.seed,
-        "extra": {"timeout_s": config.phase_timeout_s},
+        "extra": {"timeout_s": config.phase_timeout_s, "calibrate": config.calibrate},
     }
     report = build_report(run_config, cluster.emulation, cluster.note,
                           {"name": workload.name, "description": workload.description},
-                          baseline, phases)
+                          baseline, phases, calibration=calibration)
     print(markdown(report))
     write_json(report, args.json)
     if args.plot:

@@ -13,9 +13,18 @@ Definitions (all times are medians over the measured steps, in seconds):
   every worker computing at once (as in a real step, sharing the CPUs);
 - ``comm_s``: one all-reduce of all gradient bytes on the same network;
 - ``lower_bound_s = max(compute_s, comm_s)``: no schedule can beat it;
-- ``overlap_ratio = (compute_s + comm_s - step_time_s) / comm_s``: the share
-  of communication hidden behind compute (1 = all, 0 = none, < 0 slower than
-  not overlapping at all);
+- ``overlap_ratio``: the share of the communication time hidden behind compute,
+  ``1 - exposed_comm_s / comm_s`` clamped to [0, 1] (1 = all hidden, 0 = none).
+  ``exposed_comm_s`` is the step's bubble, the time the training thread blocked
+  on communication, where the report has one (commsched and ``allreduce``
+  measure it; DDP's and Horovod's are estimated, see ``bubble_method``), else
+  ``max(0, step_time_s - compute_s)``; ``overlap_method`` says which. It is
+  ``None`` ("n/a" in the table) when ``comm_s`` is below the noise floor
+  ``max(OVERLAP_FLOOR_S, OVERLAP_FLOOR_OF_COMPUTE * compute_s)`` (2 ms, 5 % of
+  compute): a ratio of two numbers smaller than the step's jitter says nothing.
+  It says how much communication was hidden, not how fast the step was: a
+  strategy that hides all of it but slows compute down (CPU contention,
+  scheduler overhead) has overlap 1 and a low ``efficiency``;
 - ``efficiency = lower_bound_s / step_time_s``;
 - ``ddp_model_s = forward_s + max(backward_s, comm_s) + optimizer_s``: DDP
   overlaps communication with backward only, so it pays about that;
@@ -25,7 +34,12 @@ Definitions (all times are medians over the measured steps, in seconds):
   backward hides it, 1 -- nothing to gain (the plain formula would give < 1);
 - ``speedup_vs_baseline = baseline step time / step time``, where the baseline
   is the framework's stock strategy named by ``baseline_strategy`` (``ddp``,
-  ``mwms``, ``dist_sync``).
+  ``mwms``, ``dist_sync``);
+- ``breakdown`` (torch): where one step's time goes, per strategy (:func:`breakdown`;
+  each number says how it was measured in ``breakdown["how"]``);
+- ``calibration`` (torch): the regime each workload is meant to be in, the one it
+  measured in (``compute_s / comm_s``, :func:`regime_of`) and, with ``--calibrate``,
+  how the batch size was chosen.
 """
 
 from __future__ import annotations
@@ -46,7 +60,7 @@ BASELINE_STRATEGY = {"torch": "ddp", "tensorflow": "mwms", "mxnet": "dist_sync"}
 
 #: Keys of the whole document.
 REPORT_KEYS = ("schema", "framework", "predicted", "baseline_strategy", "config", "emulation",
-               "emulation_note", "host", "workload", "baseline", "results", "warnings")
+               "emulation_note", "host", "workload", "baseline", "calibration", "results", "warnings")
 #: Keys of ``config``.
 CONFIG_KEYS = ("workload", "workers", "nodes", "bandwidth", "intra_bandwidth", "strategies", "steps",
                "warmup", "baseline_steps", "batch_size", "partition_bytes", "credit_bytes", "network",
@@ -63,7 +77,23 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
                "step_time_p75_s", "step_time_iqr_s", "mean_step_time_s", "step_time_per_rank_s",
                "throughput_samples_s", "speedup_vs_baseline", "bubble_s", "bubble_method", "forward_s",
                "backward_s", "step_call_s", "overlap_ratio", "efficiency", "cpu_busy", "workers_cpu_busy",
-               "cpu_warning", "params_consistent", "pieces_per_step", "timeline", "stats", "logs")
+               "cpu_warning", "params_consistent", "pieces_per_step", "timeline", "stats", "logs",
+               "exposed_comm_s", "overlap_method", "breakdown")
+#: Keys of ``calibration``, when it is not ``null``.
+CALIBRATION_KEYS = ("expected_regime", "measured_regime", "compute_over_comm", "matches", "calibrated",
+                    "default_batch_size", "batch_size", "target_compute_over_comm", "trials", "method")
+
+#: Below ``max(OVERLAP_FLOOR_S, OVERLAP_FLOOR_OF_COMPUTE * compute_s)`` of communication the
+#: overlap ratio is ``None``: step-to-step jitter is of that size.
+OVERLAP_FLOOR_S = 0.002
+OVERLAP_FLOOR_OF_COMPUTE = 0.05
+
+#: The regimes a workload can be in, by ``compute_s / comm_s``: ``balanced`` within a factor
+#: :data:`BALANCED_BAND` of 1, ``comm-bound`` below, ``compute-bound`` above.
+REGIMES = ("comm-bound", "balanced", "compute-bound")
+BALANCED_BAND = 1.25
+#: What ``--calibrate`` aims ``compute_s / comm_s`` at for each regime.
+REGIME_TARGET = {"comm-bound": 0.5, "balanced": 1.0, "compute-bound": 2.0}
 
 
 def median(values: Sequence[float]) -> float | None:
@@ -137,6 +167,61 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     }
 
 
+def overlap_ratio(comm_s: float | None, compute_s: float | None, step_s: float | None,
+                  exposed_s: float | None = None) -> tuple[float | None, float | None, str]:
+    """``(overlap, exposed, method)``: the share of ``comm_s`` hidden behind compute.
+
+    ``overlap = clamp(1 - exposed / comm_s, 0, 1)``. ``exposed_s`` is the measured (or
+    estimated) bubble when the caller has one; without it, the time the step took beyond
+    compute, ``max(0, step_s - compute_s)``. ``overlap`` is ``None`` when ``comm_s`` is
+    below the noise floor (module docstring) or an input is missing.
+    """
+    if comm_s is None or compute_s is None or step_s is None:
+        return None, exposed_s, "no baseline: not computed"
+    if exposed_s is None:
+        exposed_s, method = max(0.0, step_s - compute_s), "exposed = max(0, step - compute)"
+    else:
+        method = "exposed = the bubble (time blocked on communication)"
+    floor = max(OVERLAP_FLOOR_S, OVERLAP_FLOOR_OF_COMPUTE * compute_s)
+    if comm_s < floor:
+        return None, exposed_s, (f"n/a: comm {comm_s * 1e3:.2f} ms is below the noise floor "
+                                 f"{floor * 1e3:.2f} ms (max(2 ms, 5 % of compute))")
+    return min(1.0, max(0.0, 1.0 - exposed_s / comm_s)), exposed_s, method
+
+
+def regime_of(compute_s: float | None, comm_s: float | None) -> str | None:
+    """``comm-bound``, ``balanced`` or ``compute-bound`` by ``compute_s / comm_s`` (:data:`REGIMES`)."""
+    if not compute_s or not comm_s:
+        return None
+    ratio = compute_s / comm_s
+    if ratio < 1 / BALANCED_BAND:
+        return "comm-bound"
+    return "balanced" if ratio <= BALANCED_BAND else "compute-bound"
+
+
+def calibration_block(expected: str | None, baseline: dict | None, *, calibrated: bool = False,
+                      default_batch_size: int | None = None, batch_size: int | None = None,
+                      trials: list[dict] | None = None, method: str | None = None) -> dict[str, Any]:
+    """The report's ``calibration``: the regime the workload is named for and the one the
+    baseline measured (``compute_s / comm_s``), and how the batch size was chosen."""
+    compute = baseline.get("compute_s") if baseline else None
+    comm = baseline.get("comm_s") if baseline else None
+    measured = regime_of(compute, comm)
+    return {
+        "expected_regime": expected,
+        "measured_regime": measured,
+        "compute_over_comm": compute / comm if compute and comm else None,
+        "matches": None if expected is None or measured is None else expected == measured,
+        "calibrated": calibrated,
+        "default_batch_size": default_batch_size,
+        "batch_size": batch_size,
+        "target_compute_over_comm": REGIME_TARGET.get(expected or ""),
+        "trials": trials or [],
+        "method": method or ("not calibrated (--calibrate chooses the batch size): the regime is measured "
+                             "in the baseline phase, compute_s / comm_s"),
+    }
+
+
 def result_entry(strategy: str, status: str, **fields: Any) -> dict[str, Any]:
     """A ``results[]`` entry with exactly :data:`RESULT_KEYS` (unset ones ``None``)."""
     unknown = set(fields) - set(RESULT_KEYS)
@@ -160,9 +245,9 @@ def step_fields(steps: Sequence[float], samples_per_step: int, baseline: dict | 
         "mean_step_time_s": sum(steps) / len(steps),
         "throughput_samples_s": samples_per_step / step,
     }
-    if baseline is not None and baseline.get("comm_s") and baseline.get("compute_s") is not None:
-        comm, compute = baseline["comm_s"], baseline["compute_s"]
-        fields["overlap_ratio"] = (compute + comm - step) / comm
+    if baseline is not None and baseline.get("comm_s") is not None and baseline.get("compute_s") is not None:
+        fields["overlap_ratio"], fields["exposed_comm_s"], fields["overlap_method"] = overlap_ratio(
+            baseline["comm_s"], baseline["compute_s"], step)
         fields["efficiency"] = baseline["lower_bound_s"] / step
     return fields
 
@@ -178,6 +263,10 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
     fields = step_fields(steps, samples_per_step, baseline)
     fields["mean_step_time_s"] = r0["total_s"] / len(steps)
     stats = r0.get("stats") or {}
+    if baseline is not None and bubble is not None:  # the measured (or estimated) bubble is the exposed time
+        fields["overlap_ratio"], fields["exposed_comm_s"], fields["overlap_method"] = overlap_ratio(
+            baseline["comm_s"], baseline["compute_s"], fields["step_time_s"], bubble)
+        fields["overlap_method"] += f" ({method})" if fields["overlap_ratio"] is not None else ""
     return result_entry(
         phase.name, "ok", **fields,
         step_time_per_rank_s=[median(r["step_times_s"]) for r in phase.ranks],
@@ -191,6 +280,7 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
         pieces_per_step=r0.get("pieces_per_step"),
         timeline=r0.get("timeline"),
         stats=stats,
+        breakdown=breakdown(phase),
     )
 
 
@@ -220,9 +310,172 @@ def _bubble(ranks: list[dict], baseline: dict | None) -> tuple[float | None, str
     return median(blocked), method
 
 
+#: How each number of ``breakdown`` is measured (docs/bench.md, "Where the time goes").
+BREAKDOWN_HOW = {
+    "step_s": "median step time: start of one step to the start of the next (the last one ends when "
+              "synchronize() returns)",
+    "forward_s": "wall time of zero_grad() + forward + loss on the training thread (perf_counter)",
+    "forward_compute_s": "forward_s - forward_wait_s - apply_in_forward_s, per step",
+    "forward_wait_s": "commsched: the bubble of opt.stats() (time the forward pre-hooks blocked on "
+                      "communication; step() never waits under cross_iteration); others: 0 (their forward "
+                      "does not wait on communication)",
+    "apply_in_forward_s": "optimizer step() calls inside the forward (commsched applies each layer in its "
+                          "pre-hook), timed by torch's global optimizer step hooks, innermost calls only",
+    "backward_s": "wall time of loss.backward() (DDP: includes waiting for its buckets; commsched: "
+                  "includes the gradient hooks and submit())",
+    "submit_s": "commsched: time the training thread spent in Scheduler.submit (called by the gradient "
+                "hooks in backward), a timing wrapper on this run's scheduler object; others: null",
+    "step_call_s": "wall time of the strategy's step() call",
+    "step_wait_s": "step_call_s - the optimizer apply inside it: Horovod's wait for its all-reduces, "
+                   "allreduce's flat all-reduce; ~0 for DDP and commsched",
+    "optimizer_apply_s": "all optimizer step() calls of the step wherever they ran (global optimizer step "
+                         "hooks, innermost calls, not commsched's own DistributedOptimizer.step wrapper)",
+    "other_s": "step_s - forward_s - backward_s - step_call_s: the loop itself (progress file) and, in the "
+               "last step only, the final synchronize()",
+    "final_sync_s": "wall time of synchronize() after the last measured step (commsched: the last step's "
+                    "communication still in flight, and its updates)",
+    "sched_cpu_s": "commsched: CPU seconds per step of its own threads (dispatch, complete, publish or "
+                   "order; /proc/self/task/<tid>/schedstat over the measured steps / steps); the complete "
+                   "thread's share includes the division of each reduced tensor by the world size. Does not "
+                   "include submit_s (training thread) or the engine's (gloo's) threads",
+    "sched_cpu_per_piece_s": "sched_cpu_s x steps / pieces started in the measured steps",
+    "sched_cpu_by_thread_s": "sched_cpu_s by thread",
+    "decision_latency": "leader/follower orderings: per piece of the last recorded steps, rank 0's decision "
+                        "(Scheduler.stats()['issue_times'], time.time() when rank 0 started it) to the "
+                        "follower's issue (the same, on the follower). The ranks run on one machine, so "
+                        "time.time() is one clock. data_wait_s: the follower's gradient was not ready yet "
+                        "(ready_at, its submit time, after rank 0's decision); control_s = issue - "
+                        "max(decision, ready): the decision's trip through the store plus the follower's "
+                        "dispatch and credit. static: after step 0 no decision travels: it is the issue skew",
+    "slowest": "each top-level number is the largest per-rank median (per_rank holds each rank's medians)",
+}
+
+
+def _med(values: Sequence[float]) -> float | None:
+    return median(list(values)) if values else None
+
+
+def _rank_breakdown(r: dict, commsched: bool) -> dict[str, Any]:
+    """One rank's per-step medians (see :data:`BREAKDOWN_HOW`)."""
+    steps = r.get("step_times_s") or []
+    n = len(steps)
+    fwd, bwd, call = r.get("forward_s") or [], r.get("backward_s") or [], r.get("step_call_s") or []
+    apply = r.get("apply_s") or {}
+    zero = [0.0] * n
+    a_fwd = (apply.get("forward") or zero)[:n]
+    a_bwd = (apply.get("backward") or zero)[:n]
+    a_step = (apply.get("step") or zero)[:n]
+    bubbles = r.get("bubble_s") if commsched else None
+    wait = bubbles[-n:] if bubbles and len(bubbles) >= n else zero
+    if not (len(fwd) == len(bwd) == len(call) == n and len(a_fwd) == len(a_step) == n):
+        return {}
+    out: dict[str, Any] = {
+        "step_s": _med(steps),
+        "forward_s": _med(fwd),
+        "forward_compute_s": _med([f - w - a for f, w, a in zip(fwd, wait, a_fwd, strict=True)]),
+        "forward_wait_s": _med(wait),
+        "apply_in_forward_s": _med(a_fwd),
+        "backward_s": _med(bwd),
+        "submit_s": _med(r["submit_s"]) if r.get("submit_s") else None,
+        "step_call_s": _med(call),
+        "step_wait_s": _med([c - a for c, a in zip(call, a_step, strict=True)]),
+        "optimizer_apply_s": _med([a + b + c for a, b, c in zip(a_fwd, a_bwd, a_step, strict=True)]),
+        "other_s": _med([s - f - b - c for s, f, b, c in zip(steps, fwd, bwd, call, strict=True)]),
+        "final_sync_s": r.get("final_sync_s"),
+        "sched_cpu_s": None, "sched_cpu_per_piece_s": None, "sched_cpu_by_thread_s": None,
+    }
+    threads = r.get("sched_thread_cpu_s")
+    if threads is not None and n:
+        total = sum(threads.values())
+        out["sched_cpu_s"] = total / n
+        out["sched_cpu_by_thread_s"] = {k: v / n for k, v in sorted(threads.items())}
+        pieces = r.get("measured_pieces")
+        out["sched_cpu_per_piece_s"] = total / pieces if pieces else None
+    return out
+
+
+def decision_latency(leader: dict, followers: Sequence[dict]) -> dict[str, Any] | None:
+    """From rank 0's and the followers' ``Scheduler.stats()`` (``per_step`` orders and
+    ``issue_times``): per piece, the seconds from rank 0's decision to a follower's issue,
+    split into ``data_wait_s`` (the follower's gradient was not ready yet) and ``control_s``
+    (decided and ready, not yet issued); p50/p95/max of each over all pieces and followers.
+    ``None`` when the stats carry no issue times."""
+    def steps_of(stats: dict) -> dict[str, tuple[list, dict]]:
+        sched = stats.get("scheduler", stats) if isinstance(stats, dict) else {}
+        orders, times = sched.get("per_step") or {}, sched.get("issue_times") or {}
+        return {str(k): (orders[k]["order"], times[t])
+                for k in orders for t in times if str(t) == str(k)}
+
+    lead = steps_of(leader)
+    lat: list[float] = []
+    data: list[float] = []
+    ctrl: list[float] = []
+    used: set[str] = set()
+    for follower in followers:
+        for step, (order, times) in steps_of(follower).items():
+            if step not in lead:
+                continue
+            decided = dict(zip(lead[step][0], lead[step][1]["issued_at"], strict=False))
+            for name, issued, ready in zip(order, times["issued_at"], times["ready_at"], strict=False):
+                if name not in decided:
+                    continue
+                used.add(step)
+                d = decided[name]
+                lat.append(issued - d)
+                data.append(max(0.0, ready - d))
+                ctrl.append(issued - max(d, ready))
+    if not lat:
+        return None
+
+    def q(values: list[float]) -> dict[str, float | None]:
+        return {"p50": quantile(values, 0.5), "p95": quantile(values, 0.95), "max": max(values)}
+
+    return {"pieces": len(lat), "steps": sorted(used, key=int), "latency_s": q(lat), "data_wait_s": q(data),
+            "control_s": q(ctrl)}
+
+
+def breakdown(phase: Any) -> dict[str, Any] | None:
+    """Where one strategy's step time goes (torch's workload benchmark): the keys of
+    :data:`BREAKDOWN_HOW` for the slowest rank (the largest per-rank median of each), each
+    rank's medians in ``per_rank``, the measurement of each in ``how``. ``None`` when the
+    workers recorded none (an older worker, or a framework without these timers)."""
+    if phase.status != "ok" or not phase.ranks or "apply_s" not in phase.ranks[0]:
+        return None
+    commsched = _is_commsched(phase.name)
+    per_rank = [_rank_breakdown(r, commsched) for r in phase.ranks]
+    if not all(per_rank):
+        return None
+    out: dict[str, Any] = {}
+    for key in per_rank[0]:
+        values = [p[key] for p in per_rank if isinstance(p.get(key), (int, float))]
+        out[key] = max(values) if values else None
+    threads = [p["sched_cpu_by_thread_s"] for p in per_rank if p.get("sched_cpu_by_thread_s")]
+    out["sched_cpu_by_thread_s"] = ({k: max(t.get(k, 0.0) for t in threads) for t in threads for k in t}
+                                    if threads else None)
+    stats = [r.get("stats") or {} for r in phase.ranks]
+    mode = (stats[0].get("scheduler") or {}).get("mode") if isinstance(stats[0], dict) else None
+    out["decision_latency"] = decision_latency(stats[0], stats[1:]) if mode == "leader" else None
+    out["per_rank"] = per_rank
+    out["how"] = dict(BREAKDOWN_HOW)
+    return out
+
+
+def _is_commsched(name: str) -> bool:
+    from commsched.bench.spec import parse_strategies
+
+    try:
+        return parse_strategies(name)[0].is_commsched
+    except ValueError:
+        return False
+
+
 def build_report(config: dict, emulation: str, emulation_note: str, workload: dict,
-                 baseline_phase: Any, phases: list[Any], framework: str = "torch") -> dict[str, Any]:
-    """The whole JSON document (docs/bench.md) from the runner's phases (torch's workload benchmark)."""
+                 baseline_phase: Any, phases: list[Any], framework: str = "torch",
+                 calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole JSON document (docs/bench.md) from the runner's phases (torch's workload benchmark).
+
+    ``calibration``: keyword arguments of :func:`calibration_block` (``expected`` the regime the
+    workload is named for, what ``--calibrate`` did); the measured regime comes from the baseline."""
     warnings: list[str] = []
     baseline = None
     if baseline_phase.status == "ok":
@@ -239,7 +492,15 @@ def build_report(config: dict, emulation: str, emulation_note: str, workload: di
         warnings.append(f"baseline failed: {baseline_phase.reason}")
     samples = config["batch_size"] * config["workers"]
     results = [summarize_strategy(p, baseline, samples) for p in phases]
-    return assemble_report(framework, config, emulation, emulation_note, workload, baseline, results, warnings)
+    calib = calibration_block(baseline=baseline, **(calibration or {"expected": None}))
+    if calib["matches"] is False:
+        warnings.append(
+            f"workload {workload.get('name')!r} is meant to be {calib['expected_regime']} but measured "
+            f"{calib['measured_regime']} here (compute / comm = {calib['compute_over_comm']:.2f}; balanced is "
+            f"{1 / BALANCED_BAND:.2f}..{BALANCED_BAND:.2f}): use --calibrate, or --batch-size, to put it in "
+            "its regime on this machine")
+    return assemble_report(framework, config, emulation, emulation_note, workload, baseline, results, warnings,
+                           calibration=calib)
 
 
 def reference_baseline(compute_s: float | None, comm_s: float | None) -> dict[str, Any] | None:
@@ -257,10 +518,11 @@ def reference_baseline(compute_s: float | None, comm_s: float | None) -> dict[st
 
 
 def assemble_report(framework: str, config: dict, emulation: str, emulation_note: str, workload: dict,
-                    baseline: dict | None, results: list[dict], warnings: list[str] | None = None
-                    ) -> dict[str, Any]:
+                    baseline: dict | None, results: list[dict], warnings: list[str] | None = None,
+                    calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """The document from finished entries: speedups against the framework's
-    baseline strategy, warnings, and every key of :data:`REPORT_KEYS`."""
+    baseline strategy, warnings, and every key of :data:`REPORT_KEYS` (``calibration``:
+    :func:`calibration_block`, or ``None`` where the benchmark has none)."""
     if framework not in BASELINE_STRATEGY:
         raise ValueError(f"framework {framework!r} is not one of {', '.join(BASELINE_STRATEGY)}")
     missing = set(CONFIG_KEYS) - set(config)
@@ -295,6 +557,7 @@ def assemble_report(framework: str, config: dict, emulation: str, emulation_note
                  "machine": platform.machine()},
         "workload": {**dict.fromkeys(WORKLOAD_KEYS), **workload},
         "baseline": baseline,
+        "calibration": calibration,
         "results": results,
         "warnings": warnings,
     }
@@ -347,6 +610,9 @@ def markdown(report: dict) -> str:
                        f"max(compute, comm) = {base['ceiling_speedup_vs_ddp']:.2f}x")
         lines.append(f"- lower bound max(compute, comm) {base['lower_bound_s']:.3f} s; no overlap "
                      f"{base['no_overlap_s']:.3f} s{ceiling}")
+    cal = report.get("calibration")
+    if cal:
+        lines.append(_calibration_line(cal))
     lines += ["", TABLE_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ceiling = base and base["ceiling_speedup_vs_ddp"]
     for r in report["results"]:
@@ -362,12 +628,64 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['strategy']} | {r['step_time_s']:.3f} | {r['step_time_iqr_s']:.3f} "
             f"| {r['throughput_samples_s']:.1f} | {speed} | {_fmt(r['bubble_s'])} "
-            f"| {_fmt(r['overlap_ratio'], '.2f')} | {_fmt(r['efficiency'], '.2f')} | {busy} "
+            f"| {_overlap_cell(r)} | {_fmt(r['efficiency'], '.2f')} | {busy} "
             f"| {_fmt(r['pieces_per_step'], '.0f')} |"
         )
+    lines += breakdown_table(report["results"])
     if report["warnings"]:
         lines += ["", "Warnings:"] + [f"- {w}" for w in report["warnings"]]
     return "\n".join(lines)
+
+
+def _overlap_cell(r: dict) -> str:
+    if r["overlap_ratio"] is None and (r.get("overlap_method") or "").startswith("n/a"):
+        return "n/a"
+    return _fmt(r["overlap_ratio"], ".2f")
+
+
+def _calibration_line(cal: dict) -> str:
+    ratio = _fmt(cal["compute_over_comm"], ".2f")
+    line = (f"- regime: meant {cal['expected_regime'] or '-'}, measured {cal['measured_regime'] or '-'} "
+            f"(compute / comm {ratio})")
+    if cal["calibrated"]:
+        tried = ", ".join(f"batch {t['batch_size']}: {t['compute_s'] / t['comm_s']:.2f}" for t in cal["trials"])
+        line += (f"; --calibrate chose batch {cal['batch_size']} (default {cal['default_batch_size']}) for "
+                 f"compute / comm {cal['target_compute_over_comm']} (tried {tried})")
+    return line
+
+
+#: The second table: where each strategy's step goes, in ms (slowest rank; docs/bench.md).
+BREAKDOWN_HEADER = ("| strategy | step | fwd compute | fwd wait | apply | backward (submit) | step() (wait) "
+                    "| other | final sync | sched CPU/step (/piece) | decision→issue p50/p95 (control p95) |")
+
+
+def breakdown_table(results: list[dict]) -> list[str]:
+    """The breakdown of every strategy that has one, as markdown lines (empty when none has)."""
+    rows = [r for r in results if r["status"] == "ok" and r.get("breakdown")]
+    if not rows:
+        return []
+
+    def ms(value: float | None, spec: str = ".1f") -> str:
+        return "-" if value is None else f"{value * 1e3:{spec}}"
+
+    lines = ["", "Where the time goes (ms per step, median, slowest rank; how each is measured: "
+             "breakdown.how in the JSON):", "", BREAKDOWN_HEADER, "|---|" + "---:|" * 10]
+    for r in rows:
+        b = r["breakdown"]
+        sub = f" ({ms(b['submit_s'])})" if b.get("submit_s") is not None else ""
+        cpu = "-"
+        if b.get("sched_cpu_s") is not None:
+            per_piece = b.get("sched_cpu_per_piece_s")
+            cpu = ms(b["sched_cpu_s"], ".2f") + (f" ({per_piece * 1e6:.0f} µs)" if per_piece else "")
+        lat = b.get("decision_latency")
+        dec = "-" if not lat else (f"{ms(lat['latency_s']['p50'], '.2f')}/{ms(lat['latency_s']['p95'], '.2f')} "
+                                   f"({ms(lat['control_s']['p95'], '.2f')})")
+        lines.append(
+            f"| {r['strategy']} | {ms(b['step_s'])} | {ms(b['forward_compute_s'])} | {ms(b['forward_wait_s'])} "
+            f"| {ms(b['optimizer_apply_s'])} | {ms(b['backward_s'])}{sub} "
+            f"| {ms(b['step_call_s'])} ({ms(b['step_wait_s'])}) | {ms(b['other_s'])} | {ms(b['final_sync_s'])} "
+            f"| {cpu} | {dec} |")
+    return lines
 
 
 def write_json(report: dict, path: str) -> None:

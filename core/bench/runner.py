@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from commsched.bench.netns import Cluster, NetnsCluster
 from commsched.bench.procs import WorkerError, WorkerGroup, free_ports
+from commsched.bench.report import median
 from commsched.bench.spec import StrategySpec
 
 #: Inside a namespace the port space is the run's own: any fixed port is free.
@@ -51,6 +52,7 @@ class RunConfig:
     phase_timeout_s: float = 900.0
     collective_timeout_s: float = 120.0
     baseline_steps: int = field(default=0)  # 0: derived from steps
+    calibrate: bool = False  # choose batch_size so the workload is in its regime (Runner.calibrate)
 
     def __post_init__(self) -> None:
         if self.baseline_steps <= 0:
@@ -110,6 +112,38 @@ class ProgressBar:
         self._last_line = ""
 
 
+#: ``--calibrate`` keeps the batch size within this factor of the workload's default.
+CALIBRATE_MAX_FACTOR = 16
+
+
+def choose_batch_size(trials: list[dict[str, float]], target: float, default: int,
+                      max_factor: int = CALIBRATE_MAX_FACTOR) -> int:
+    """The batch size that should make ``compute / comm`` equal ``target``, from measured
+    ``trials`` (``{"batch_size", "compute_s", "comm_s"}``; comm does not depend on the batch).
+
+    One trial: compute taken as proportional to the batch. Two or more: a line
+    ``compute = a + k * batch`` through the last two (fixed per-step costs stay fixed);
+    a line that does not grow falls back to proportional. Clamped to
+    ``[max(1, default // max_factor), default * max_factor]``.
+    """
+    if not trials:
+        raise ValueError("choose_batch_size needs at least one measured trial")
+    if not target > 0:
+        raise ValueError(f"target compute/comm must be positive, got {target}")
+    comm = median([t["comm_s"] for t in trials])
+    last = trials[-1]
+    want = target * comm
+    batch = last["batch_size"] * want / last["compute_s"]
+    if len(trials) >= 2:
+        prev = trials[-2]
+        if last["batch_size"] != prev["batch_size"]:
+            k = (last["compute_s"] - prev["compute_s"]) / (last["batch_size"] - prev["batch_size"])
+            if k > 0:
+                batch = last["batch_size"] + (want - last["compute_s"]) / k
+    lo, hi = max(1, default // max_factor), default * max_factor
+    return int(min(hi, max(lo, round(batch))))
+
+
 class Runner:
     """Runs the phases of one benchmark on an already-started cluster."""
 
@@ -124,7 +158,8 @@ class Runner:
         self.cluster = cluster
         self.work_dir = work_dir
         self.log = log
-        self.bar = ProgressBar(log, 1 + len(config.strategies))
+        self.bar = ProgressBar(log, 1 + len(config.strategies) + (2 if config.calibrate else 0))
+        self._first = 0  # index of the baseline phase (after any calibration phases)
         per_node = config.workers // config.nodes
         self.rank_nodes = [cluster.nodes[r // per_node] for r in range(config.workers)]
 
@@ -205,14 +240,48 @@ class Runner:
         })
         return env
 
+    def calibrate(self, target: float) -> dict[str, Any]:
+        """Measure compute and comm at the configured batch size and at the one
+        :func:`choose_batch_size` predicts for ``target`` (``compute / comm``), then set
+        ``config.batch_size`` to the final prediction (the baseline phase measures it).
+        Returns what :func:`commsched.bench.report.calibration_block` takes. A calibration
+        phase that fails keeps the configured batch size and says so in ``method``."""
+        default = self.config.batch_size
+        trials: list[dict[str, float]] = []
+        batch = default
+        for n in range(2):
+            self.config.batch_size = batch
+            phase = self.run_phase(n, f"calibrate{n + 1}", "calibrate")
+            self._first = n + 1
+            if phase.status != "ok":
+                self.config.batch_size = default
+                return {"calibrated": False, "default_batch_size": default, "batch_size": default,
+                        "trials": trials, "method": f"calibration phase failed ({phase.reason}); kept batch {default}"}
+            trials.append({"batch_size": batch,
+                           "compute_s": max(median(r["compute_s"]) for r in phase.ranks),
+                           "comm_s": max(median(r["comm_s"]) for r in phase.ranks)})
+            nxt = choose_batch_size(trials, target, default)
+            if nxt == batch:
+                break
+            batch = nxt
+        self.config.batch_size = choose_batch_size(trials, target, default)
+        return {"calibrated": True, "default_batch_size": default, "batch_size": self.config.batch_size,
+                "trials": trials,
+                "method": ("compute (forward + backward + optimizer, every rank at once) and one all-reduce of all "
+                           "gradients, measured at the default batch and at the predicted one; compute fitted as "
+                           "a + k * batch through the two, the batch solved for compute / comm = target, clamped to "
+                           f"1/{CALIBRATE_MAX_FACTOR}..{CALIBRATE_MAX_FACTOR}x the default; the baseline phase "
+                           "measures the result")}
+
     def run_all(self, on_phase: Callable[[PhaseResult], None] | None = None
                 ) -> tuple[PhaseResult, list[PhaseResult]]:
-        """Baseline, then every strategy in order."""
+        """Baseline, then every strategy in order (after :meth:`calibrate`, if called)."""
         if self.config.timeline_dir:
             os.makedirs(self.config.timeline_dir, exist_ok=True)
-        baseline = self.run_phase(0, "baseline", "baseline")
+        first = self._first
+        baseline = self.run_phase(first, "baseline", "baseline")
         results = []
-        for i, spec in enumerate(self.config.strategies, start=1):
+        for i, spec in enumerate(self.config.strategies, start=first + 1):
             reason = self.unavailable(spec)
             if reason is not None:
                 self.bar.finish(f"[{i + 1}/{self.bar.total}] {spec.name}: skipped: {reason}")

@@ -88,7 +88,10 @@ def test_strategy_metrics_speedup_and_estimated_bubbles():
     assert r_own["bubble_s"] == pytest.approx(0.3)  # the slowest rank's median
     assert report["baseline_strategy"] == "ddp"
     assert r_hvd["speedup_vs_baseline"] == pytest.approx(1.0 / 0.8)
-    assert r_own["overlap_ratio"] == pytest.approx((0.65 + 0.5 - 0.7) / 0.5)
+    # overlap = 1 - exposed / comm, exposed = the measured bubble (slowest rank 0.3 of comm 0.5)
+    assert r_own["overlap_ratio"] == pytest.approx(1 - 0.3 / 0.5)
+    assert r_own["exposed_comm_s"] == pytest.approx(0.3) and "bubble" in r_own["overlap_method"]
+    assert r_ddp["overlap_ratio"] == pytest.approx(1 - 0.4 / 0.5)  # DDP's estimated bubble
     assert r_own["efficiency"] == pytest.approx(0.65 / 0.7)
     assert not any("beats the lower bound" in w for w in report["warnings"])
     assert r_own["throughput_samples_s"] == pytest.approx(16 / 0.7)

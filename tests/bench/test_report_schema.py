@@ -23,6 +23,7 @@ from commsched.bench.cli import run_strategies
 from commsched.bench.options import add_mlp_bench_arguments
 from commsched.bench.report import (
     BASELINE_KEYS,
+    CALIBRATION_KEYS,
     CONFIG_KEYS,
     REPORT_KEYS,
     RESULT_KEYS,
@@ -116,6 +117,8 @@ def test_the_three_frameworks_write_the_same_keys_and_table_header(tmp_path, cap
         for entry in report["results"]:
             assert list(entry) == list(RESULT_KEYS), (name, entry["strategy"])
     assert [r["baseline_strategy"] for r in reports.values()] == ["ddp", "mwms", "dist_sync"]
+    assert list(torch_report["calibration"]) == list(CALIBRATION_KEYS)
+    assert tf_report["calibration"] is None and mx_report["calibration"] is None
     for table in (torch_table, tf_table, mx_table):
         assert table.splitlines().count(TABLE_HEADER) == 1
 
@@ -131,7 +134,8 @@ def test_mlp_reports_take_median_iqr_speedup_and_bounds_from_the_step_times(tmp_
     assert (base["compute_s"], base["comm_s"]) == (pytest.approx(0.3), pytest.approx(0.5))
     assert base["lower_bound_s"] == pytest.approx(0.5) and base["no_overlap_s"] == pytest.approx(0.8)
     assert dyn["efficiency"] == pytest.approx(0.5 / 0.8)
-    assert dyn["overlap_ratio"] == pytest.approx((0.3 + 0.5 - 0.8) / 0.5)
+    # no bubble from the MLP workers: exposed = step - compute = 0.5 of comm 0.5, nothing hidden
+    assert dyn["overlap_ratio"] == pytest.approx(0.0) and dyn["exposed_comm_s"] == pytest.approx(0.5)
     failed = rows["dynamic_server"]
     assert failed["status"] == "failed" and "rank 0 exited 1" in failed["reason"] and failed["step_time_s"] is None
     assert "| dynamic_server | failed: workers failed: rank 0 exited 1 |" in table

@@ -9,7 +9,10 @@ what to do:
   alone, one flat all-reduce of all gradient bytes, and compute while such an
   all-reduce is in flight (the CPU-contention cap); rank 0 also profiles
   the layers.
-- ``mode="train"``: ``warmup`` then ``steps`` training steps of one strategy.
+- ``mode="calibrate"``: a few compute steps and all-reduces at the spec's batch
+  size (``--calibrate`` picks the batch size from two of these).
+- ``mode="train"``: ``warmup`` then ``steps`` training steps of one strategy, with
+  the per-step breakdown's timers (:class:`StepTimers`).
 
 Results go to ``<run_dir>/rank<R>.json`` (written atomically), rank 0's
 progress to ``<run_dir>/progress``. A worker dies with its parent
@@ -35,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from commsched.bench.cpu import CpuWindow
 from commsched.plugins.torch.bench.strategies import (
     StrategyUnavailable,
@@ -188,8 +192,133 @@ def run_baseline(spec: dict, rank: int, progress: Progress) -> dict:
     return result
 
 
+class StepTimers:
+    """What the worker measures around one strategy's steps, besides the step times.
+
+    - optimizer apply: every ``torch.optim`` ``step()`` call, timed by torch's global
+      optimizer step hooks (``register_optimizer_step_pre_hook``/``post_hook``), counting
+      only the innermost call (Horovod's ``step()`` wraps the plain one, which is the
+      apply) and not the strategy's own wrapper (commsched's ``DistributedOptimizer.step``
+      applies nothing under cross-iteration: its per-parameter updates are the calls
+      counted, in the next forward); summed per step by the phase it ran in;
+    - the time the user's thread spent in ``Scheduler.submit`` (commsched: the gradient
+      hooks call it during backward), by wrapping that one bound method of this run's
+      scheduler object;
+    - the CPU time of commsched's own threads (``commsched-*``: dispatch, complete,
+      publish/order, ...), from ``/proc/self/task/<tid>/schedstat`` (ns; ``stat`` ticks
+      where schedstat is missing), over the measured steps.
+    """
+
+    def __init__(self, strat: Any, excluded: Any) -> None:
+        self.phase = "other"
+        self.apply: dict[str, float] = {}
+        self.submit_s = 0.0
+        self._excluded = excluded
+        self._stack: list[list] = []
+        pre = register_optimizer_step_pre_hook(self._pre)
+        post = register_optimizer_step_post_hook(self._post)
+        self._handles = [pre, post]
+        self.scheduler = getattr(getattr(strat, "optimizer", None), "_scheduler", None)
+        if self.scheduler is not None:
+            real = self.scheduler.submit
+
+            def timed_submit(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self.submit_s += time.perf_counter() - t0
+
+            self.scheduler.submit = timed_submit  # this object only; removed in close()
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._stack:
+            self._stack[-1][1] = True  # the outer call wraps this one
+        self._stack.append([time.perf_counter(), False, optimizer is self._excluded])
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        t0, wraps, excluded = self._stack.pop()
+        if not wraps and not excluded:
+            self.apply[self.phase] = self.apply.get(self.phase, 0.0) + time.perf_counter() - t0
+
+    def take(self) -> tuple[dict[str, float], float]:
+        """This step's apply seconds per phase and submit seconds; resets both."""
+        apply, submit = self.apply, self.submit_s
+        self.apply, self.submit_s = {}, 0.0
+        return apply, submit
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        if self.scheduler is not None:
+            self.scheduler.__dict__.pop("submit", None)
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of each live commsched thread of this process, by name without the rank
+    (``commsched-dispatch-r0`` -> ``dispatch``); threads of one name are summed."""
+    import threading
+
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for t in threading.enumerate():
+        if not t.name.startswith("commsched-") or t.native_id is None:
+            continue
+        base = f"/proc/self/task/{t.native_id}"
+        try:
+            with open(f"{base}/schedstat") as f:
+                cpu = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            try:
+                with open(f"{base}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, ValueError, IndexError):
+                continue
+        name = t.name[len("commsched-"):].rsplit("-r", 1)[0]
+        out[name] = out.get(name, 0.0) + cpu
+    return out
+
+
+def _pieces_started(strat: Any) -> int | None:
+    stats = strat.stats()
+    pieces = stats.get("pieces") if isinstance(stats, dict) else None
+    return pieces if isinstance(pieces, int) else None
+
+
+def run_calibrate(spec: dict, rank: int, progress: Progress) -> dict:
+    """A quick look at the regime (``--calibrate``): one warm-up step, then ``CALIBRATE_REPS``
+    steps of compute on every rank at once and as many all-reduces of all gradient bytes."""
+    workload, model, x, y = _setup(spec, rank)
+    opt = _opt_factory(workload)(model.parameters())
+    compute, comm = [], []
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    total = 1 + 2 * CALIBRATE_REPS
+    for i in range(1 + CALIBRATE_REPS):
+        _barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        workload.loss(model(x), y).backward()
+        opt.step()
+        if i:
+            compute.append(time.perf_counter() - t0)
+        progress("calibrate", i + 1, total)
+    for i in range(CALIBRATE_REPS):
+        _barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        comm.append(time.perf_counter() - t0)
+        progress("calibrate", 2 + CALIBRATE_REPS + i, total)
+    _barrier()
+    return {"compute_s": compute, "comm_s": comm, "batch_size": spec["batch_size"]}
+
+
+#: Timed steps (and all-reduces) of one calibration phase.
+CALIBRATE_REPS = 3
+
+
 def run_train(spec: dict, rank: int, progress: Progress) -> dict:
-    """``warmup`` + ``steps`` steps of one strategy, timed on every rank."""
+    """``warmup`` + ``steps`` steps of one strategy, timed on every rank (see :class:`StepTimers`)."""
     workload, model, x, y = _setup(spec, rank)
     (sspec,) = parse_strategies(spec["strategy"])
     timeline = spec.get("timeline") if rank == 0 else None
@@ -201,18 +330,28 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
     steps, warmup = spec["steps"], spec["warmup"]
     starts: list[float] = []
     phases: list[tuple[float, float, float]] = []
+    applies: list[dict[str, float]] = []
+    submits: list[float] = []
+    timers = StepTimers(strat, strat.optimizer if sspec.is_commsched else None)
 
     def step() -> None:
         t0 = time.perf_counter()
+        timers.phase = "forward"
         strat.zero_grad()
         loss = workload.loss(strat.model(x), y)
         t1 = time.perf_counter()
+        timers.phase = "backward"
         loss.backward()
         t2 = time.perf_counter()
+        timers.phase = "step"
         strat.step()
         t3 = time.perf_counter()
+        timers.phase = "other"
         starts.append(t0)
         phases.append((t1 - t0, t2 - t1, t3 - t2))
+        apply, submit = timers.take()
+        applies.append(apply)
+        submits.append(submit)
 
     try:
         for i in range(warmup):
@@ -222,19 +361,29 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         _barrier()
         starts.clear()
         phases.clear()
+        applies.clear()
+        submits.clear()
         strat.mark_measured()
+        pieces0 = _pieces_started(strat)
+        cpu0 = thread_cpu_s()
         window = CpuWindow()
         for i in range(steps):
             step()
             progress("steps", i + 1, steps)
+        timers.phase = "synchronize"
+        t_sync = time.perf_counter()
         strat.synchronize()
         end = time.perf_counter()
         cpu = window.stop()
+        sync_apply, _ = timers.take()
+        cpu1 = thread_cpu_s()
+        pieces1 = _pieces_started(strat)
         bubbles = strat.bubble_per_step()
         stats = strat.stats()
         checksum = _checksum(model)
         _barrier()
     finally:
+        timers.close()
         strat.close()
     timeline_files = []
     if timeline:  # the plugin may add a rank suffix: report the files it wrote
@@ -243,6 +392,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
     # A step runs from its start to the next one's; the last one ends when all
     # communication has landed (a commsched step() returns before that).
     step_times = [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)]
+    apply_phases = ("forward", "backward", "step")
     return {
         "step_times_s": step_times,
         "total_s": end - starts[0] if starts else 0.0,
@@ -251,6 +401,14 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         "step_call_s": [p[2] for p in phases],
         "bubble_s": bubbles,
         "bubble_method": strat.bubble_method,
+        # the breakdown's raw material (core/bench/report.py: breakdown)
+        "apply_s": {ph: [a.get(ph, 0.0) for a in applies] for ph in apply_phases},
+        "final_sync_s": end - t_sync,
+        "final_sync_apply_s": sum(sync_apply.values()),
+        "submit_s": submits if timers.scheduler is not None else None,
+        "sched_thread_cpu_s": ({k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
+                               if sspec.is_commsched else None),
+        "measured_pieces": (pieces1 - pieces0) if pieces0 is not None and pieces1 is not None else None,
         "cpu": cpu,
         "checksum": checksum,
         "stats": stats,
@@ -278,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if spec["mode"] == "baseline":
             result = run_baseline(spec, rank, progress)
+        elif spec["mode"] == "calibrate":
+            result = run_calibrate(spec, rank, progress)
         else:
             result = run_train(spec, rank, progress)
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once

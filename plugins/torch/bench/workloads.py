@@ -2,7 +2,10 @@
 
 Each workload is a model whose top-level children are its "layers" (the unit
 the report times), a synthetic batch and a loss. Sizes are chosen for two
-single-threaded workers on a 2-core machine and a 1 Gbit/s emulated link:
+single-threaded workers on a 2-core machine and a 1 Gbit/s emulated link (the
+regime each promises is ``Workload.regime``; the report says which one it measured
+in, and ``commsched bench --calibrate`` picks the batch size that puts it there on
+the machine at hand):
 
 =============  ==========================================  ======================
 name           model                                       regime (2 workers, 1G)
@@ -45,6 +48,10 @@ class Workload:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batch_size: int
     lr: float = 0.01
+    #: the regime the name promises (``comm-bound``, ``balanced``, ``compute-bound``; see
+    #: ``commsched.bench.report.regime_of``), checked against the baseline and aimed at by
+    #: ``--calibrate``; ``None``: no promise (tests, user workloads)
+    regime: str | None = None
 
 
 # --------------------------------------------------------------------- models
@@ -209,21 +216,23 @@ WORKLOADS: dict[str, Workload] = {
         Workload(
             "comm-heavy", "VGG-like CNN on 32x32 images, 2048-wide FC layers",
             lambda: vgg_like(32, 100), _images(32, 100), F.cross_entropy, batch_size=32,
+            regime="comm-bound",
         ),
         Workload(
             "balanced", "8-layer MLP, width 1536 (forward ~1/3 of compute)",
             lambda: mlp(1536, 8, 1536, 1000), _vectors(1536, 1000), F.cross_entropy,
-            batch_size=512,
+            batch_size=512, regime="balanced",
         ),
         Workload(
             "compute-heavy", "ResNet-like CNN (no norm layers) on 32x32 images",
             lambda: resnet_like(100), _images(32, 100), F.cross_entropy, batch_size=32,
+            regime="compute-bound",
         ),
         Workload(
             "gpt2", "GPT-2-style transformer, tied embeddings (vocab 16384, "
             "context 128, dim 384, 4 layers)",
             lambda: gpt2_like(**_GPT), _tokens(_GPT["vocab"], _GPT["context"]), _lm_loss,
-            batch_size=4,
+            batch_size=4, regime="comm-bound",
         ),
         Workload(
             "tiny", "2-layer MLP for tests (a few hundred KB)",
