@@ -336,8 +336,9 @@ BREAKDOWN_HOW = {
                     "communication still in flight, and its updates)",
     "sched_cpu_s": "commsched: CPU seconds per step of its own threads (dispatch, complete, publish or "
                    "order; /proc/self/task/<tid>/schedstat over the measured steps / steps); the complete "
-                   "thread's share includes the division of each reduced tensor by the world size. Does not "
-                   "include submit_s (training thread) or the engine's (gloo's) threads",
+                   "thread's share includes the division of each reduced tensor by the world size, the dispatch "
+                   "thread's the engine's launch of each all-reduce. Does not include submit_s (training "
+                   "thread) or the engine's (gloo's) threads, where the piece-done callback runs",
     "sched_cpu_per_piece_s": "sched_cpu_s x steps / pieces started in the measured steps",
     "sched_cpu_by_thread_s": "sched_cpu_s by thread",
     "decision_latency": "leader/follower orderings: per piece of the last recorded steps, rank 0's decision "
