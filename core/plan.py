@@ -284,15 +284,15 @@ class Plan:
         }
 
     def to_json(self, path: str) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
+        from commsched.costmodel.profile import write_json  # (commsched.costmodel imports this module)
+
+        write_json(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"not a commsched plan (schema {got!r}, expected {SCHEMA!r}); make one with "
-                             "`commsched plan --profile P --topology T --json plan.json`")
+        from commsched.costmodel.profile import check_schema
+
+        check_schema(data, SCHEMA, "plan", "make one with `commsched plan --profile P --topology T --json plan.json`")
         try:
             plan = cls(
                 model=tuple(PlannedTensor(p["name"], int(p["numel"]), int(p["element_size"]),

@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "load_json", "read_json"]
+__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "load_json", "read_json", "write_json"]
 
 SCHEMA = "commsched-profile/1"
 
@@ -188,15 +188,12 @@ class Profile:
         return out
 
     def to_json(self, path: str) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
+        write_json(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Profile":
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"not a commsched profile (schema {got!r}, expected {SCHEMA!r}); make one with "
-                             "`commsched profile --workload W --json profile.json` or DistributedOptimizer.profile()")
+        check_schema(data, SCHEMA, "profile", "make one with `commsched profile --workload W --json profile.json` "
+                     "or DistributedOptimizer.profile()")
         try:
             layers = tuple(LayerProfile(
                 name=layer["name"], forward_s=layer["forward_s"], backward_s=layer["backward_s"],
@@ -217,6 +214,19 @@ class Profile:
     @classmethod
     def from_json(cls, path: str) -> "Profile":
         return load_json(path, cls.from_dict)
+
+
+def check_schema(data: Any, schema: str, kind: str, how: str) -> None:
+    """Refuse (``ValueError``) a document that is not a dict of ``schema``; ``how`` says how to make one."""
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"not a commsched {kind} (schema {got!r}, expected {schema!r}); {how}")
+
+
+def write_json(document: dict[str, Any], path: str) -> None:
+    """``document`` as indented JSON at ``path``."""
+    with open(path, "w") as fh:
+        json.dump(document, fh, indent=1)
 
 
 def read_json(path: str) -> Any:

@@ -23,13 +23,13 @@ refused with a ``ValueError`` that says how to make one.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from commsched.bench.netns import MTU
+from commsched.costmodel.profile import check_schema, load_json, write_json
 
 __all__ = [
     "EMULATED_ALPHA_S",
@@ -269,17 +269,14 @@ class Topology:
                 "extra_s_per_byte": dict(self.extra_s_per_byte)}
 
     def to_json(self, path: str) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
+        write_json(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Topology":
         """The inverse of :meth:`to_dict`; refuses another schema or a bad field (``ValueError``)."""
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"not a commsched topology (schema {got!r}, expected {SCHEMA!r}); measure one with "
-                             "`commsched probe --workers N --nodes M --bandwidth B --json topo.json` or describe "
-                             "one with `--cluster NODESxRANKS --intra BW --inter BW`")
+        check_schema(data, SCHEMA, "topology", "measure one with `commsched probe --workers N --nodes M "
+                     "--bandwidth B --json topo.json` or describe one with `--cluster NODESxRANKS --intra BW "
+                     "--inter BW`")
         try:
             return cls(nodes=data["nodes"], ranks_per_node=data["ranks_per_node"], rails=data.get("rails", 1),
                        intra=Link(data["intra"]["alpha_s"], data["intra"]["bandwidth"]),
@@ -293,6 +290,4 @@ class Topology:
 
     @classmethod
     def from_json(cls, path: str) -> "Topology":
-        from commsched.costmodel.profile import load_json
-
         return load_json(path, cls.from_dict)
