@@ -38,6 +38,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+def init_one_rank_group() -> None:
+    """A torch.distributed world of one gloo rank in this process (torch imported here, on use)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
 def commsched_threads() -> set[threading.Thread]:
     """The live threads commsched started in this process (every one's name starts with ``commsched``)."""
     return {t for t in threading.enumerate() if t.name.startswith("commsched")}

@@ -99,6 +99,29 @@ def launch():
     return run_job
 
 
+@pytest.fixture(scope="session")
+def run_scenarios():
+    """``run_scenarios(folder, scenarios, timeout)``: one launched job runs every scenario (name ->
+    worker options); returns ``{name: {rank: result}}`` after checking the job ended cleanly
+    (exit 0, no stray process, no thread left, no scenario error on any worker)."""
+    def run(folder: Path, scenarios: dict, timeout: float = 150) -> dict:
+        flags = []
+        for name, sc in scenarios.items():
+            flags += ["--scenario", json.dumps({**sc, "name": name})]
+        job = run_job(folder, *flags, timeout=timeout)
+        assert job.returncode == 0, job.output[-4000:]
+        assert job.stray == [], f"processes left running: {job.stray}"
+        assert sorted(job.results) == [0, 1], job.output[-4000:]
+        by_name: dict = {}
+        for rank, payload in job.results.items():
+            assert payload["threads_left"] == [], payload["threads_left"]
+            for r in payload["results"]:
+                assert "error" not in r, f"rank {rank} {r['scenario']['name']}: {r['error']}"
+                by_name.setdefault(r["scenario"]["name"], {})[rank] = r
+        return by_name
+    return run
+
+
 @pytest.fixture
 def job(tmp_path):
     """``job(*worker_args, **kw)`` runs worker.py on a launched 2-worker, 1-server job."""

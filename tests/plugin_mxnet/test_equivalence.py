@@ -7,8 +7,6 @@ credit 2 KiB, so every weight is split and pieces queue behind the credit.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("mxnet")
@@ -29,21 +27,8 @@ CREDIT = 2048
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, launch):
-    flags = []
-    for name, sc in SCENARIOS.items():
-        flags += ["--scenario", json.dumps({**sc, "name": name})]
-    job = launch(tmp_path_factory.mktemp("equivalence"), *flags, timeout=150)
-    assert job.returncode == 0, job.output[-4000:]
-    assert job.stray == [], f"processes left running: {job.stray}"
-    assert sorted(job.results) == [0, 1], job.output[-4000:]
-    by_name = {}
-    for rank, payload in job.results.items():
-        assert payload["threads_left"] == [], payload["threads_left"]
-        for r in payload["results"]:
-            assert "error" not in r, f"rank {rank} {r['scenario']['name']}: {r['error']}"
-            by_name.setdefault(r["scenario"]["name"], {})[rank] = r
-    return by_name
+def results(tmp_path_factory, run_scenarios):
+    return run_scenarios(tmp_path_factory.mktemp("equivalence"), SCENARIOS)
 
 
 def check_bitwise(results, name):

@@ -8,8 +8,6 @@ compared with).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("mxnet")
@@ -26,21 +24,8 @@ PIECES = 3 + 1 + 8 + 3 + 4 + 1  # the weights at 2048, 1024, 512 B, the biases a
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, launch):
-    flags = []
-    for name, sc in SCENARIOS.items():
-        flags += ["--scenario", json.dumps({**sc, "name": name})]
-    job = launch(tmp_path_factory.mktemp("planned"), *flags, timeout=150)
-    assert job.returncode == 0, job.output[-4000:]
-    assert job.stray == [], f"processes left running: {job.stray}"
-    assert sorted(job.results) == [0, 1], job.output[-4000:]
-    by_name = {}
-    for rank, payload in job.results.items():
-        assert payload["threads_left"] == [], payload["threads_left"]
-        for r in payload["results"]:
-            assert "error" not in r, f"rank {rank} {r['scenario']['name']}: {r['error']}"
-            by_name.setdefault(r["scenario"]["name"], {})[rank] = r
-    return by_name
+def results(tmp_path_factory, run_scenarios):
+    return run_scenarios(tmp_path_factory.mktemp("planned"), SCENARIOS)
 
 
 @pytest.mark.timeout(170)

@@ -8,9 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, run_workers, worker_env
+from helpers import free_port, init_one_rank_group, run_workers, worker_env
 
 HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A world of one gloo rank for a module's tests (``pytest.mark.usefixtures("one_rank_group")``)."""
+    import torch.distributed as dist
+
+    init_one_rank_group()
+    yield
+    dist.destroy_process_group()
 
 
 def run_ranks(tmp_path: Path, world: int, *flags: str, script: Path = HERE / "dist_worker.py",

@@ -8,22 +8,13 @@ import logging
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import commsched  # noqa: E402
 from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
 from commsched.plugins.torch import optimizer as optimizer_module  # noqa: E402
-from helpers import free_port  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
 
 
 @pytest.fixture

@@ -14,14 +14,10 @@ import commsched  # noqa: E402
 from commsched.errors import HorovodUnavailable, SchedulerClosed  # noqa: E402
 from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
 from commsched.plugins.torch.backends import TorchBackend  # noqa: E402
-from helpers import commsched_threads, free_port  # noqa: E402
+from helpers import commsched_threads, init_one_rank_group  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def small():
@@ -199,7 +195,7 @@ def test_destroyed_process_group_gives_a_clear_error_not_a_hang():
             opt.synchronize(timeout=10)
         opt.close()
     finally:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        init_one_rank_group()
 
 
 def test_horovod_backend_defaults_to_1mib_pieces_unless_the_environment_says_otherwise(monkeypatch):

@@ -9,7 +9,6 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import commsched  # noqa: E402
@@ -18,16 +17,11 @@ from commsched.plugins.torch.backends import TorchBackend  # noqa: E402
 from commsched.plugins.torch.cuda import CudaTask, DeviceStreams, FakeCuda  # noqa: E402
 from commsched.plugins.torch.tensor_ops import TorchOps  # noqa: E402
 from commsched.scheduler import Scheduler  # noqa: E402
-from helpers import free_port  # noqa: E402
 
 COMM = "comm:cpu"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def index(log, entry):

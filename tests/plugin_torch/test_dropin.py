@@ -12,23 +12,18 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import commsched  # noqa: E402
 import commsched.plugins.torch.optimizer as optimizer_module  # noqa: E402
 from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
 from commsched.plugins.torch.backends import TorchBackend  # noqa: E402
-from helpers import REPO, commsched_threads, free_port, horovod_or_skip, horovodrun  # noqa: E402
+from helpers import REPO, commsched_threads, horovod_or_skip, horovodrun  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "horovod_synthetic_benchmark.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def small():
