@@ -29,6 +29,8 @@ _DEFAULTS: dict[str, Any] = {
     "timeout_s": 300.0,
     "timeline": None,
     "plan": None,
+    "priority": "layer",
+    "slack_alpha": 1.0,
 }
 
 _SIZE_UNITS = {
@@ -147,6 +149,23 @@ def _parse_plan(value: Any, field: str) -> Any:
                      "commsched.plan.Plan, or None")
 
 
+def _parse_priority(value: Any, field: str) -> str:
+    priorities = ("layer", "slack")  # commsched.costmodel.slack.PRIORITIES (not imported: config stays light)
+    if not isinstance(value, str) or value.strip().lower() not in priorities:
+        raise ValueError(f"{field}={value!r} is not a known priority rule; use one of {', '.join(priorities)}")
+    return value.strip().lower()
+
+
+def _parse_alpha(value: Any, field: str) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not (number >= 0) or number == float("inf"):
+        raise ValueError(f"{field}={value!r} must be a finite number >= 0, such as 1.0 (0 is plain layer order)")
+    return number
+
+
 _PARSERS = {
     "partition_bytes": parse_size,
     "credit_bytes": parse_size,
@@ -156,6 +175,8 @@ _PARSERS = {
     "timeout_s": _parse_timeout,
     "timeline": _parse_timeline,
     "plan": _parse_plan,
+    "priority": _parse_priority,
+    "slack_alpha": _parse_alpha,
 }
 
 
@@ -203,6 +224,8 @@ class SchedulerConfig:
     timeout_s: float = _UNSET
     timeline: str | None = _UNSET
     plan: Any = _UNSET
+    priority: str = _UNSET
+    slack_alpha: float = _UNSET
 
     def __post_init__(self) -> None:
         env = None
@@ -221,6 +244,9 @@ class SchedulerConfig:
         if self.plan is not None and self.ordering != "planned":
             raise ValueError(f"plan={self.plan!r} is only read with ordering='planned' (ordering is "
                              f"{self.ordering!r}); pass SchedulerConfig(ordering='planned', plan=...)")
+        if self.priority == "slack" and self.ordering != "dynamic":
+            raise ValueError(f"priority='slack' ranks the pieces rank 0 decides under ordering='dynamic' (ordering "
+                             f"is {self.ordering!r}); use ordering='dynamic', or priority='layer'")
 
 
 def check_config(config: Any) -> None:

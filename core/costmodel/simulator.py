@@ -35,6 +35,8 @@ strategy         model
 ``planned``      a :class:`~commsched.plan.Plan`: its groups (fused small tensors
                  become ready with the last of them), its pieces in its one fixed
                  order every step, each with its own algorithm, within its credit
+``slack``        ``dynamic`` ranked by the seed's slack rule instead of layer order
+                 (:mod:`commsched.costmodel.slack`, ``SimSettings.slack_alpha``)
 ===============  ==============================================================
 
 Per strategy: step time (steady state: the mean of the last steps), exposed
@@ -54,6 +56,7 @@ from typing import Any, Callable
 
 from commsched.costmodel.collectives import allreduce_phases, allreduce_s
 from commsched.costmodel.profile import Profile, TensorSpec
+from commsched.costmodel.slack import slack_order
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
 from commsched.plan import Plan, PlannedTensor
@@ -68,7 +71,7 @@ UNLIMITED = 1 << 60
 #: The simulated network's servers (see ``_Sim``).
 SERVERS = ("net", "rs", "ar", "ag")
 SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "dynamic", "static", "hierarchical",
-                  "planned")
+                  "planned", "slack")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class SimSettings:
     steps: int = 5  # simulated; the first is warm-up (no previous step to overlap with)
     trace: bool = True  # record the Chrome trace (the planner, scoring thousands of candidates, does not)
     algorithm: str = "ring"
+    slack_alpha: float = 1.0  # the ``slack`` strategy's α (commsched.costmodel.slack)
 
     def __post_init__(self) -> None:
         for name in ("partition_bytes", "credit_bytes", "ddp_bucket_bytes", "ddp_first_bucket_bytes",
@@ -105,6 +109,7 @@ class StrategyModel:
     ordering: str = "dynamic"  # commsched only
     bucket_bytes: int | None = None  # ddp only
     algorithm: str | None = None  # None: the settings' algorithm
+    priority: str = "layer"  # commsched only: layer order, or the seed's slack rule
 
 
 def parse_sim_strategy(name: str) -> StrategyModel:
@@ -130,6 +135,8 @@ def parse_sim_strategy(name: str) -> StrategyModel:
         return StrategyModel(name, "commsched", ordering="dynamic", algorithm="hierarchical")
     if kind == "planned":
         return StrategyModel(name, "commsched", ordering="planned")
+    if kind == "slack":
+        return StrategyModel(name, "commsched", ordering="dynamic", priority="slack")
     raise ValueError(f"unknown strategy {name!r}; known: {', '.join(SIM_STRATEGIES)}")
 
 
@@ -378,6 +385,8 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     seq = [0]
     layers_of: dict[int, list[int]] = {}  # id(task) -> the layer of each of its tensors
     forward_index = {t.name: i for i, t in enumerate(t for layer in layers for t in layer.tensors)}
+    if model.priority == "slack" and plan is None:
+        forward_index = slack_order(profile, topology, settings.slack_alpha, algorithm=algorithm).tensor_priority
     tensor_layer = {t.name: li for li, layer in enumerate(layers) for t in layer.tensors}
     group_waiting: dict[tuple[int, str], int] = {}  # planned: tensors of a group not ready yet
 
