@@ -248,8 +248,11 @@ class Scheduler(Closeable):
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
                        ordering=self.config.ordering)
             plan = getattr(self._state.policy, "plan", None)
-            if plan is not None and hasattr(plan, "digest"):  # planned: the plan's credit and digest
-                out.update(credit_bytes=plan.credit_bytes, plan_digest=plan.digest)
+            if plan is not None and hasattr(plan, "digest"):  # planned: the plan's credit, piece sizes, digest
+                sizes = sorted({g.partition_bytes for g in plan.groups})
+                out.update(credit_bytes=plan.credit_bytes, plan_digest=plan.digest,
+                           partition_bytes=sizes[-1] if sizes else self.config.partition_bytes,
+                           partition_bytes_per_group={g.name: g.partition_bytes for g in plan.groups})
             return out
 
     def close(self, timeout: float | None = None) -> None:

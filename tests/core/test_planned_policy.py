@@ -175,6 +175,9 @@ def test_ranks_of_an_inprocess_world_issue_exactly_the_plan_with_its_piece_sizes
                 stats = s.stats()
                 assert stats["mode"] == "planned" and stats["credit_bytes"] == 24
                 assert stats["plan_digest"] == plan.digest
+                # the piece sizes in use are the plan's, not the config's 4 MiB default
+                assert stats["partition_bytes_per_group"] == {g.name: g.partition_bytes for g in plan.groups}
+                assert stats["partition_bytes"] == max(g.partition_bytes for g in plan.groups) != 4 << 20
                 assert stats["max_in_flight_bytes"] <= 24 or stats["max_in_flight_bytes"] == 20
         finally:
             for s in scheds:
