@@ -52,7 +52,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from commsched.costmodel.collectives import allreduce_s
 from commsched.costmodel.profile import Profile
@@ -389,12 +389,19 @@ def solve_order(profile: Profile, topology: Topology, groups: list[PlanGroup], w
 
 
 # --------------------------------------------------------------------------- search
+#: The stages of :func:`make_plan`, in order (what its ``progress`` callback names).
+PLAN_STAGES = ("dynamic", "greedy", "sizes", "milp")
+
+
 def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = None, *,
-              time_limit_s: float | None = None) -> PlanResult:
+              time_limit_s: float | None = None,
+              progress: Callable[[str, int, int], None] | None = None) -> PlanResult:
     """Search the plan with the shortest simulated step for ``profile`` on ``topology``.
 
     ``time_limit_s`` overrides ``search.time_limit_s`` (the MILP's budget). The result
     is never slower in the simulator than the best greedy (EDD) plan of the grid.
+    ``progress(stage, stages_done, candidates_scored)``, if given, is called as each of the
+    :data:`PLAN_STAGES` starts and after each scored candidate (``commsched plan``'s bar).
     """
     search = search or PlanSearch.for_profile(profile)
     if time_limit_s is not None:
@@ -406,12 +413,22 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
     settings = SimSettings(steps=steps, trace=False)
     stages: list[dict[str, Any]] = []
     scored = [0]
+    stage_no = [0]
+
+    def tick(stage: str | None = None) -> None:
+        if stage is not None:
+            stage_no[0] = PLAN_STAGES.index(stage)
+        if progress is not None:
+            progress(PLAN_STAGES[stage_no[0]], stage_no[0], scored[0])
+
+    tick("dynamic")
 
     reference = simulate(profile, topology, "dynamic", settings)
     stages.append({"stage": "dynamic", "step_time_s": reference.step_time_s,
                    "what": "runtime default: 1 MiB pieces, 4 MiB credit, flat ring, no fusion, EDD order"})
 
     # stage 1: greedy (EDD) over the grid
+    tick("greedy")
     greedy: list[tuple[float, dict[str, Any], Plan, SimResult]] = []
     for fusion in search.fusions:
         for partition in search.partitions:
@@ -421,6 +438,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
                 for credit in credits or [max(search.credits)]:
                     plan, result = greedy_plan(profile, topology, groups, credit, rule, steps)
                     scored[0] += 1
+                    tick()
                     knobs = {"fusion_bytes": fusion, "partition_bytes": partition, "algorithm": rule,
                              "credit_bytes": credit}
                     greedy.append((result.step_time_s, knobs, plan, result))
@@ -446,6 +464,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
     greedy_best = best_time
 
     # stage 2: each group's own piece size (coordinate descent, EDD order)
+    tick("sizes")
     partition_of = {g.name: g.partition_bytes for g in best_plan.groups}
     for _ in range(search.size_rounds):
         improved = False
@@ -463,6 +482,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
                 plan, result = greedy_plan(profile, topology, groups, best_plan.credit_bytes,
                                            best_knobs["algorithm"], steps)
                 scored[0] += 1
+                tick()
                 if result.step_time_s < best_time * (1 - search.tie_tolerance):
                     best_time, best_plan, best_result, partition_of = result.step_time_s, plan, result, trial
                     improved = True
@@ -474,6 +494,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
                            "EDD order"})
 
     # stage 3: the MILP's order and algorithms for the best configurations, then the credit again
+    tick("milp")
     solver: dict[str, Any] = {"solver": "HiGHS", "status": "not run"}
     starts = [(best_plan, best_result)] + [(g[2], g[3]) for g in greedy[1:search.milp_candidates]]
     budget = search.time_limit_s / max(1, len(starts))
@@ -489,6 +510,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
             plan = _plan(profile, topology, groups, order, algorithms, credit)
             result = simulate(profile, topology, "planned", settings, plan=plan)
             scored[0] += 1
+            tick()
             milp_best = min(milp_best, result.step_time_s)
             if result.step_time_s < best_time * (1 - search.tie_tolerance):
                 best_time, best_plan, best_result = result.step_time_s, plan, result
