@@ -40,7 +40,7 @@ say "installing pinned packages (first time: a few minutes)"
 pip install "${C[@]}" -r "$REQ/tools.txt" || failed "install tools"
 # One resolve for everything, so numpy ends where TF and mxnet both accept it.
 pip install "${C[@]}" -r "$REQ/torch.txt" -r "$REQ/tensorflow.txt" -r "$REQ/mxnet.txt" \
-  -r "$REQ/test.txt" -r "$REQ/horovod.txt" -r "$REQ/planner.txt" -r "$REQ/tuner.txt" || failed "install frameworks"
+  -r "$REQ/test.txt" -r "$REQ/horovod.txt" -r "$REQ/planner.txt" -r "$REQ/tuner.txt" -r "$REQ/progress.txt" || failed "install frameworks"
 pip install --no-deps "${C[@]}" -r "$REQ/tf-keras.txt" || failed "install tf-keras"
 
 # mxnet/numpy shim, at the environment level (commsched itself patches nothing).
