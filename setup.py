@@ -49,6 +49,8 @@ HOROVOD = ["horovod==0.28.1"]
 PLANNER = ["highspy==1.16.0"]
 # The online tuner's search (ordering="auto"); see requirements/tuner.txt for why Optuna.
 TUNER = ["optuna==5.0.0"]
+# Progress bars on a terminal (commsched bench/validate/plan, the tuner); see requirements/progress.txt.
+PROGRESS = ["rich==15.0.0"]
 TEST = ["pytest", "pytest-timeout", "hypothesis", "ruff", "matplotlib"]
 
 setup(
@@ -71,10 +73,11 @@ setup(
         "horovod": HOROVOD,
         "planner": PLANNER,
         "tuner": TUNER,
+        "progress": PROGRESS,
         "test": TEST,
         # Horovod is left out of 'all': without the cached wheel pip would try
         # the unpatched sdist and fail after minutes of compiling.
-        "all": TORCH + TENSORFLOW + MXNET + PLANNER + TUNER + TEST,
+        "all": TORCH + TENSORFLOW + MXNET + PLANNER + TUNER + PROGRESS + TEST,
     },
     entry_points={"console_scripts": ["commsched = commsched.cli:main"]},
     classifiers=[

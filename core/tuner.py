@@ -36,7 +36,9 @@ brings, is smaller than that; or after ``max_samples`` (20). Settled, it checks 
 ``check_every`` steps whether the median period of the last ``sample_steps`` drifted more than
 ``drift`` (5 %) and more than twice the noise (the larger spread of the two) from the
 incumbent's score, and re-tunes (from the incumbent) if so. One log line per decision
-(logger ``commsched.tuner``); :meth:`Tuner.stats` has the history.
+(logger ``commsched.tuner``); :meth:`Tuner.stats` has the history. While it tunes, a bar of samples
+(``commsched.progress``) is drawn on rank 0's terminal (never in a log or CI); :meth:`Tuner.close`
+removes it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from commsched.errors import CommschedError, CommschedTimeout
+from commsched.progress import Progress
 
 __all__ = ["AgreedSwitch", "Decision", "SearchSpace", "Settings", "Tuner", "UNLIMITED_BYTES", "OptunaSampler",
            "Sampler", "spread"]
@@ -287,6 +290,7 @@ class Tuner:
         self._gains: list[float] = []
         self._settled_periods: list[float] = []
         self._applied: Optional[Settings] = None
+        self._bar: Optional[Progress] = None  # samples of the current round, on a terminal
 
     # ----------------------------------------------------------------- driver API
     def first(self, step: int) -> Decision:
@@ -353,6 +357,12 @@ class Tuner:
         return self._next_sample(step, f"{cur.settings.describe()}: median {score * 1e3:.2f} ms "
                                        f"({record['verdict']}); incumbent {self.incumbent.describe()}")
 
+    def close(self) -> None:
+        """Remove the progress bar, if one is drawn (idempotent; the driver calls it when it closes)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
     def stats(self) -> dict[str, Any]:
         """Phase, incumbent and its score, samples, rounds and every sample's record."""
         return {"phase": self.phase, "incumbent": self.incumbent.to_dict() if self.incumbent else None,
@@ -372,6 +382,10 @@ class Tuner:
         decision = Decision(settings if settings != self._applied else None,
                             apply_at + self.settle + self.sample_steps - 1, why)
         self._applied = settings
+        if self._bar is None:
+            self._bar = Progress("tuner", self.max_samples)
+        self._bar.update(self.samples, description=f"commsched tuner, round {self.rounds}: sample {self.samples + 1} "
+                                                   f"{settings.describe()}" + (" (again)" if confirm else ""))
         return self._log(step, decision, f"sample {self.samples + 1}: {settings.describe()}")
 
     def _settle(self, step: int, why: str) -> Decision:
@@ -380,6 +394,10 @@ class Tuner:
         apply = self.incumbent if self.incumbent != self._applied else None
         self._applied = self.incumbent
         self._current = None
+        if self._bar is not None:
+            self._bar.update(self.samples, description=f"commsched tuner, round {self.rounds}: kept "
+                                                       f"{self.incumbent.describe()} after {self.samples} samples")
+            self.close()
         return self._log(step, Decision(apply, step + 2 + self.check_every, why))
 
     def _check_drift(self, step: int) -> Decision:

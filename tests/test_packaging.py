@@ -242,9 +242,10 @@ def test_wheel_metadata_names_version_extras_and_console_script(wheel_venv):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "Name: commsched" in meta and f"Version: {_expected_version()}" in meta
-    for extra in ("torch", "tensorflow", "mxnet", "horovod"):
+    for extra in ("torch", "tensorflow", "mxnet", "horovod", "progress"):
         assert f"Provides-Extra: {extra}" in meta
     assert 'torch==2.13.0; extra == "torch"' in meta
+    assert 'rich==15.0.0; extra == "progress"' in meta  # the bars' library is an extra, never required
     assert not [line for line in meta.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line]
     assert "commsched = commsched.cli:main" in entry
     assert not any(n.startswith(("core/", "plugins/", "tests/")) for n in names)
@@ -255,9 +256,10 @@ def test_wheel_imports_without_any_framework_and_reports_its_version(wheel_venv,
     _, venv = wheel_venv
     out = _ok(_in_venv(venv, """
         import importlib.util, sys
-        for framework in ("torch", "tensorflow", "mxnet", "numpy"):
+        for framework in ("torch", "tensorflow", "mxnet", "numpy", "rich"):
             assert importlib.util.find_spec(framework) is None, framework + " is installed in the fresh venv"
         import commsched
+        import commsched.progress, commsched.tuner, commsched.bench.runner  # the plain bar without rich
         print(commsched.__version__, commsched.__file__)
     """, tmp_path))
     version, location = out.split()

@@ -43,6 +43,7 @@ from commsched.bench.report import (
 )
 from commsched.bench.runner import RunConfig, Runner, make_work_dir
 from commsched.bench.spec import parse_strategies
+from commsched.progress import Progress
 
 #: The plugin package that supplies the workload benchmark's framework parts.
 PLUGIN = "commsched.plugins.torch.bench"
@@ -263,8 +264,10 @@ def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequenc
     raw: list[tuple[str, dict | None, str | None, dict, Path]] = []
     note, emulation = "", args.network
     try:
-        with signals_raise():  # Ctrl-C / SIGTERM: the cluster's __exit__ kills the workers and deletes namespaces
-            for strategy in chosen:
+        # Ctrl-C / SIGTERM: the cluster's __exit__ kills the workers and deletes namespaces
+        with signals_raise(), Progress(f"{framework} bench", len(chosen), transient=True) as bar:
+            for i, strategy in enumerate(chosen):
+                bar.update(i, description=f"[{i + 1}/{len(chosen)}] {strategy}")
                 out = Path(tempfile.mkdtemp(prefix=f"commsched-bench-{framework}-{strategy}-"))
                 with make_cluster(args.network, nodes, args.bandwidth) as cluster:
                     note, emulation = cluster.note, cluster.emulation
@@ -273,7 +276,8 @@ def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequenc
                     cpu = window.stop()
                 result = _read_json(out / "rank0.json")
                 raw.append((strategy, result, error, cpu, out))
-                print(_progress_line(strategy, result, error, out), file=sys.stderr, flush=True)
+                bar.update(i + 1)
+                bar.note(_progress_line(strategy, result, error, out))
     except NetworkSetupError as exc:
         print(f"commsched bench: cannot build the emulated network: {exc}\n"
               "  (use --network loopback to run unshaped)", file=sys.stderr)

@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -26,6 +25,7 @@ from commsched.bench.netns import Cluster, NetnsCluster
 from commsched.bench.procs import WorkerError, WorkerGroup, free_ports
 from commsched.bench.report import median
 from commsched.bench.spec import StrategySpec
+from commsched.progress import Progress
 
 #: Inside a namespace the port space is the run's own: any fixed port is free.
 NETNS_MASTER_PORT = 29500
@@ -67,49 +67,6 @@ class PhaseResult:
     status: str  # ok | skipped | failed
     ranks: list[dict] = field(default_factory=list)
     reason: str = ""
-
-
-class ProgressBar:
-    """A one-line text progress bar on a stream (stderr), redrawn in place on a TTY.
-
-    Off a TTY it prints a line only when the phase changes or every 10 s.
-    """
-
-    def __init__(self, stream: TextIO, total_phases: int, width: int = 24) -> None:
-        self.stream = stream
-        self.total = total_phases
-        self.width = width
-        self.tty = stream.isatty()
-        self._last_line = ""
-        self._last_key: tuple = ()
-        self._last_print = 0.0
-
-    def update(self, index: int, name: str, progress: dict | None) -> None:
-        """Show phase ``index`` (1-based) called ``name`` at ``progress``."""
-        done, total, what = 0, 1, "starting"
-        if progress:
-            done, total, what = progress["done"], max(1, progress["total"]), progress["phase"]
-        filled = int(self.width * done / total)
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"[{index}/{self.total}] {name:<10} [{bar}] {what} {done}/{total}"
-        now = time.monotonic()
-        if self.tty:
-            self.stream.write("\r" + line.ljust(len(self._last_line)))
-            self.stream.flush()
-            self._last_line = line
-        elif (index, what) != self._last_key or now - self._last_print > 10:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-            self._last_key, self._last_print = (index, what), now
-
-    def finish(self, message: str) -> None:
-        """End the current bar's line with ``message``."""
-        if self.tty:
-            self.stream.write("\r" + message.ljust(len(self._last_line)) + "\n")
-        else:
-            self.stream.write(message + "\n")
-        self.stream.flush()
-        self._last_line = ""
 
 
 #: ``--calibrate`` keeps the batch size within this factor of the workload's default.
@@ -158,7 +115,7 @@ class Runner:
         self.cluster = cluster
         self.work_dir = work_dir
         self.log = log
-        self.bar = ProgressBar(log, 1 + len(config.strategies) + (2 if config.calibrate else 0))
+        self.total_phases = 1 + len(config.strategies) + (2 if config.calibrate else 0)
         self._first = 0  # index of the baseline phase (after any calibration phases)
         per_node = config.workers // config.nodes
         self.rank_nodes = [cluster.nodes[r // per_node] for r in range(config.workers)]
@@ -201,26 +158,31 @@ class Runner:
             envs.append(self._env(rank, node, port))
             logs.append(os.path.join(run_dir, f"rank{rank}.log"))
         progress_path = os.path.join(run_dir, "progress")
+        head = f"[{index + 1}/{self.total_phases}] {name}"
+        # One bar per phase, on a terminal only (commsched.progress); the line with the
+        # phase's outcome stays, in a log as on a terminal.
+        with Progress(f"{head} starting", stream=self.log, transient=True) as bar:
+            def tick() -> None:
+                progress = _read_json(progress_path)
+                if progress:
+                    bar.update(progress["done"], max(1, progress["total"]), f"{head} {progress['phase']}")
 
-        def tick() -> None:
-            self.bar.update(index + 1, name, _read_json(progress_path))
-
-        tick()
-        try:
-            WorkerGroup.start(commands, envs, logs).wait(self.config.phase_timeout_s, tick)
-        except WorkerError as exc:
-            self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: FAILED")
-            return PhaseResult(name, "failed", reason=str(exc))
-        ranks = [_read_json(os.path.join(run_dir, f"rank{r}.json"))
-                 for r in range(self.config.workers)]
-        if any(r is None for r in ranks):
-            self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: FAILED")
-            return PhaseResult(name, "failed", reason=f"a rank wrote no result ({run_dir})")
-        skipped = [r["skipped"] for r in ranks if "skipped" in r]
-        if skipped:
-            self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: skipped: {skipped[0]}")
-            return PhaseResult(name, "skipped", reason=skipped[0])
-        self.bar.finish(f"[{index + 1}/{self.bar.total}] {name}: done")
+            tick()
+            try:
+                WorkerGroup.start(commands, envs, logs).wait(self.config.phase_timeout_s, tick)
+            except WorkerError as exc:
+                bar.note(f"{head}: FAILED")
+                return PhaseResult(name, "failed", reason=str(exc))
+            ranks = [_read_json(os.path.join(run_dir, f"rank{r}.json"))
+                     for r in range(self.config.workers)]
+            if any(r is None for r in ranks):
+                bar.note(f"{head}: FAILED")
+                return PhaseResult(name, "failed", reason=f"a rank wrote no result ({run_dir})")
+            skipped = [r["skipped"] for r in ranks if "skipped" in r]
+            if skipped:
+                bar.note(f"{head}: skipped: {skipped[0]}")
+                return PhaseResult(name, "skipped", reason=skipped[0])
+            bar.note(f"{head}: done")
         return PhaseResult(name, "ok", ranks)
 
     def _env(self, rank: int, node: Any, port: int) -> dict[str, str]:
@@ -284,7 +246,7 @@ class Runner:
         for i, spec in enumerate(self.config.strategies, start=first + 1):
             reason = self.unavailable(spec)
             if reason is not None:
-                self.bar.finish(f"[{i + 1}/{self.bar.total}] {spec.name}: skipped: {reason}")
+                print(f"[{i + 1}/{self.total_phases}] {spec.name}: skipped: {reason}", file=self.log, flush=True)
                 result = PhaseResult(spec.name, "skipped", reason=reason)
             else:
                 result = self.run_phase(i, spec.name, "train", spec.name)

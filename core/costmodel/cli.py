@@ -25,6 +25,7 @@ from commsched.costmodel.collectives import allreduce_s, best_algorithm
 from commsched.costmodel.profile import Profile
 from commsched.costmodel.simulator import SimResult, SimSettings, parse_sim_strategy, simulate
 from commsched.costmodel.topology import Topology
+from commsched.progress import Progress
 
 __all__ = ["advise", "kendall_tau", "predicted_report", "run_advise", "run_simulate", "run_validate"]
 
@@ -346,43 +347,24 @@ def run_validate(args: argparse.Namespace) -> int:
 
     os.makedirs(args.out_dir, exist_ok=True)
     rows = []
-    for i, cfg in enumerate(grid, 1):
-        tag = f"{cfg['workload']}-{cfg['bandwidth']}-{cfg['workers']}x{cfg['nodes'] or cfg['workers']}"
-        bench_json = os.path.join(args.out_dir, f"bench-{tag}.json")
-        print(f"[{i}/{len(grid)}] {tag}", file=sys.stderr, flush=True)
-        if not (args.reuse and os.path.exists(bench_json)):
-            cmd = [sys.executable, "-m", "commsched", "bench", "--workload", cfg["workload"],
-                   "--workers", str(cfg["workers"]), "--bandwidth", cfg["bandwidth"],
-                   "--strategies", ",".join(strategies), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--partition-mb", str(args.partition_mb), "--credit-mb", str(args.credit_mb),
-                   "--json", bench_json]
-            if cfg["nodes"]:
-                cmd += ["--nodes", str(cfg["nodes"])]
-            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, timeout=3600)
-            if done.returncode != 0 or not os.path.exists(bench_json):
-                rows.append({**cfg, "status": "bench failed", "returncode": done.returncode})
-                continue
-        with open(bench_json) as fh:
-            measured = {r["strategy"]: r["step_time_s"] for r in json.load(fh)["results"] if r["status"] == "ok"}
-        topology = Topology.emulated(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
-        if args.topology_source == "probe":
-            topo_json = os.path.join(args.out_dir, f"topo-{cfg['bandwidth']}-{cfg['workers']}x"
-                                                   f"{cfg['nodes'] or cfg['workers']}.json")
-            if args.reuse and os.path.exists(topo_json):
-                topology = Topology.from_json(topo_json)
+    # One bar over the configurations (a terminal only; commsched.progress). The bench of each runs in a
+    # child whose output goes to a log beside its report, so its own bars do not fight this one.
+    with Progress("validate", len(grid)) as bar:
+        for i, cfg in enumerate(grid, 1):
+            tag = f"{cfg['workload']}-{cfg['bandwidth']}-{cfg['workers']}x{cfg['nodes'] or cfg['workers']}"
+            head = f"[{i}/{len(grid)}] {tag}"
+
+            def stage(what: str, head: str = head) -> None:
+                bar.update(description=f"{head}: {what}")
+
+            row = _validate_one(args, cfg, tag, strategies, settings, probe, load_or_profile, stage)
+            rows.append(row)
+            bar.update(i)
+            if row["status"] == "ok":
+                errors = ", ".join(f"{s} {e:+.1%}" for s, e in row["error"].items())
+                bar.note(f"{head}: errors {errors}; tau {row['kendall_tau']:.2f}")
             else:
-                topology = probe(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
-                topology.to_json(topo_json)
-        profile = load_or_profile(cfg["workload"], workers=cfg["workers"], nodes=cfg["nodes"],
-                                  bandwidth=cfg["bandwidth"])
-        names = [s for s in strategies if s in measured]
-        predicted = {s: simulate(profile, topology, s, settings).step_time_s for s in names}
-        errors = {s: (predicted[s] - measured[s]) / measured[s] for s in names}
-        rows.append({**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured,
-                     "predicted_s": predicted, "error": errors,
-                     "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])})
-        print(f"    errors {', '.join(f'{s} {e:+.1%}' for s, e in errors.items())}; "
-              f"tau {rows[-1]['kendall_tau']:.2f}", file=sys.stderr, flush=True)
+                bar.note(f"{head}: {row['status']} (exit {row['returncode']}; log {row['log']})")
     ok = [r for r in rows if r["status"] == "ok"]
     errs = [abs(e) for r in ok for e in r["error"].values()]
     summary = {"configurations": len(rows), "ok": len(ok), "points": len(errs),
@@ -394,6 +376,48 @@ def run_validate(args: argparse.Namespace) -> int:
         json.dump({"summary": summary, "configurations": rows}, fh, indent=1)
     print(json.dumps(summary, indent=1))
     return 0 if len(ok) == len(rows) else 1
+
+
+def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strategies: list[str],
+                  settings: SimSettings, probe: Any, load_or_profile: Any, stage: Any) -> dict[str, Any]:
+    """Bench (or reuse), probe (or reuse), profile and simulate one configuration of the grid."""
+    bench_json = os.path.join(args.out_dir, f"bench-{tag}.json")
+    bench_log = os.path.join(args.out_dir, f"bench-{tag}.log")
+    if not (args.reuse and os.path.exists(bench_json)):
+        stage("bench")
+        cmd = [sys.executable, "-m", "commsched", "bench", "--workload", cfg["workload"],
+               "--workers", str(cfg["workers"]), "--bandwidth", cfg["bandwidth"],
+               "--strategies", ",".join(strategies), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--partition-mb", str(args.partition_mb), "--credit-mb", str(args.credit_mb),
+               "--json", bench_json]
+        if cfg["nodes"]:
+            cmd += ["--nodes", str(cfg["nodes"])]
+        with open(bench_log, "w") as log_file:
+            done = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=3600)
+        if done.returncode != 0 or not os.path.exists(bench_json):
+            return {**cfg, "status": "bench failed", "returncode": done.returncode, "log": bench_log}
+    with open(bench_json) as fh:
+        measured = {r["strategy"]: r["step_time_s"] for r in json.load(fh)["results"] if r["status"] == "ok"}
+    topology = Topology.emulated(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
+    if args.topology_source == "probe":
+        topo_json = os.path.join(args.out_dir, f"topo-{cfg['bandwidth']}-{cfg['workers']}x"
+                                               f"{cfg['nodes'] or cfg['workers']}.json")
+        if args.reuse and os.path.exists(topo_json):
+            topology = Topology.from_json(topo_json)
+        else:
+            stage("probe")
+            topology = probe(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
+            topology.to_json(topo_json)
+    stage("profile")
+    profile = load_or_profile(cfg["workload"], workers=cfg["workers"], nodes=cfg["nodes"],
+                              bandwidth=cfg["bandwidth"])
+    stage("simulate")
+    names = [s for s in strategies if s in measured]
+    predicted = {s: simulate(profile, topology, s, settings).step_time_s for s in names}
+    errors = {s: (predicted[s] - measured[s]) / measured[s] for s in names}
+    return {**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured,
+            "predicted_s": predicted, "error": errors,
+            "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])}
 
 
 # ------------------------------------------------------------------ advise

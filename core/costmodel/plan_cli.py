@@ -13,10 +13,11 @@ import argparse
 import sys
 
 from commsched.costmodel.cli import add_source_arguments, load_profile, load_topology
-from commsched.costmodel.planner import PlanResult, PlanSearch, make_plan
+from commsched.costmodel.planner import PLAN_STAGES, PlanResult, PlanSearch, make_plan
 from commsched.costmodel.profile import Profile
 from commsched.costmodel.simulator import SimSettings, simulate
 from commsched.costmodel.topology import Topology
+from commsched.progress import Progress
 
 __all__ = ["add_plan_arguments", "plan_markdown", "run_plan"]
 
@@ -93,7 +94,12 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"commsched plan: {exc}", file=sys.stderr)
         return 2
-    result = make_plan(profile, topology, search)
+    # A bar over the search's stages, on a terminal only (commsched.progress).
+    with Progress("plan", len(PLAN_STAGES), transient=True) as bar:
+        def progress(stage: str, done: int, candidates: int) -> None:
+            bar.update(done, description=f"plan: {stage} ({candidates} candidates scored)")
+
+        result = make_plan(profile, topology, search, progress=progress)
     result.plan.to_json(args.json)
     print(plan_markdown(result, profile, topology, compare))
     print(f"\nwrote {args.json}")

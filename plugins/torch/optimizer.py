@@ -1211,6 +1211,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
+            if self._tuner is not None:
+                self._tuner.close()  # its progress bar, on rank 0's terminal
             self._scheduler.close(timeout)
 
     def _check_open(self) -> None:
