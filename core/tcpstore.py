@@ -156,6 +156,11 @@ class StoreServer:
         finally:
             conn.close()
 
+    def num_keys(self) -> int:
+        """Keys set plus values waiting in queues: what the store holds now (a soak checks it stays bounded)."""
+        with self._cv:
+            return len(self._data) + sum(len(q) for q in self._queues.values())
+
     def close(self) -> None:
         """Stop serving: close every connection and join every thread. Safe to call twice."""
         with self._cv:

@@ -1,22 +1,35 @@
 #!/usr/bin/env python3
-"""Soak: many steps on a small model, 2 ranks, watching memory, threads and store keys.
+"""Soak: many steps on a small model, 2 workers, watching memory, threads and store keys.
 
-Each rank trains ``--steps`` steps of a small MLP with commsched (small pieces, small
+Each worker trains ``--steps`` steps of a small MLP with commsched (small pieces, small
 credit, so every step starts many pieces) and samples, every ``--every`` steps, its
 resident set size (``/proc/self/statm``), its thread count (``/proc/self/status``) and,
-on rank 0 of torch/gloo, the number of keys in the rendezvous store. The baseline is the
-sample after warm-up (``--warmup`` steps: allocators, the static plan, lazy imports).
+where the backend has a store commsched writes to, the number of keys in it (read on the
+worker that hosts it). The baseline is the sample after warm-up (``--warmup`` steps:
+allocators, the static plan, lazy imports, TensorFlow's traces).
 
-Pass criteria (the issue's): RSS at the end at most 5 % above the baseline, the thread
-count the same at every sample after warm-up, and the store's key count the same at
-every sample after warm-up (bounded: the queues are popped, nothing accumulates).
+Backends and what "store keys" counts on each (``STORE_KEYS``):
+
+* ``torch``: torch/gloo; c10d's rendezvous store on rank 0 (``num_keys``), which holds
+  commsched's order queues and its group's keys.
+* ``horovod``: torch on Horovod over gloo; no store: Horovod's rank-0 coordinator orders
+  the pieces by name, commsched writes nothing to Horovod's rendezvous server.
+* ``tensorflow``: TF collective ops under ``MultiWorkerMirroredStrategy`` (2 workers,
+  ``TF_CONFIG`` on 127.0.0.1); no store: collectives are matched by group/instance key,
+  drawn from an in-graph counter (``plugins/tensorflow/keys.py``).
+* ``mxnet``: the commsched KVStore on ps-lite ``dist_sync`` (2 workers, 1 server, the
+  scheduler, started by ``commsched launch mxnet``); commsched's order store, served by
+  worker 0 (``StoreServer.num_keys``: keys plus values waiting in queues).
+
+Pass criteria (issue 14's): RSS at the end less than 5 % above the baseline, the thread
+count the same at every sample after warm-up, the store's key count the same at every
+sample after warm-up (bounded: queues are popped, nothing accumulates), and every process
+exits with status 0 by itself.
 
 Usage::
 
-    python scripts/soak.py --backends torch,horovod --steps 2000 --out soak.json
+    python scripts/soak.py --steps 2000 --out soak.json                 # every backend
     python scripts/soak.py --backends torch --steps 200                 # what CI runs
-
-Backends: ``torch`` (gloo) and ``horovod`` (torch on Horovod over gloo).
 """
 
 from __future__ import annotations
@@ -30,11 +43,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ("torch", "horovod")
+BACKENDS = ("torch", "horovod", "tensorflow", "mxnet")
 RSS_GROWTH_LIMIT = 0.05
+STORE_KEYS = {
+    "torch": "keys in c10d's rendezvous store (rank 0)",
+    "horovod": "none: Horovod orders pieces in its coordinator; commsched keeps nothing in a store",
+    "tensorflow": "none: TF collectives are matched by group/instance keys from an in-graph counter",
+    "mxnet": "keys + queued values in commsched's order store (served by worker 0)",
+}
 
 
-def sample(store=None) -> dict:
+def sample(store_keys=None) -> dict:
     page = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/statm") as fh:
         rss = int(fh.read().split()[1]) * page
@@ -43,18 +62,32 @@ def sample(store=None) -> dict:
         for line in fh:
             if line.startswith("Threads:"):
                 threads = int(line.split()[1])
-    return {"rss_bytes": rss, "threads": threads, "store_keys": store.num_keys() if store is not None else None}
+    return {"rss_bytes": rss, "threads": threads, "store_keys": store_keys() if store_keys is not None else None}
 
 
-def worker(args: argparse.Namespace) -> None:
+def soak_config(args: argparse.Namespace):
+    """Small pieces and a small credit, so every step starts many pieces; the same on every backend."""
+    import commsched
+
+    return commsched.SchedulerConfig(partition_bytes=2048, credit_bytes=8192, ordering=args.ordering,
+                                     timeout_s=args.timeout_s)
+
+
+def write_result(outdir: str, rank: int, payload: dict) -> None:
+    path = Path(outdir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, **payload}))
+    os.replace(tmp, path)
+
+
+def worker_torch(args: argparse.Namespace) -> None:
     import torch
     import torch.nn as nn
 
-    import commsched
     from commsched.plugins.torch import DistributedOptimizer
 
     torch.set_num_threads(1)
-    store = None
+    store_keys = None
     if args.worker == "horovod":
         import horovod.torch as hvd
 
@@ -66,10 +99,10 @@ def worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         if rank == 0:
-            store = dist.distributed_c10d._get_default_store()
+            store_keys = dist.distributed_c10d._get_default_store().num_keys
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
-    config = commsched.SchedulerConfig(partition_bytes=2048, credit_bytes=8192, ordering=args.ordering, timeout_s=60)
+    config = soak_config(args)
     samples = []
     with DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model, backend=args.worker,
                               config=config) as opt:
@@ -80,17 +113,101 @@ def worker(args: argparse.Namespace) -> None:
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
             if step % args.every == 0 or step == args.steps - 1:
-                samples.append(dict(step=step, **sample(store)))
+                samples.append(dict(step=step, **sample(store_keys)))
         opt.synchronize()
-        stats = opt.stats()
-    Path(args.out).write_text(json.dumps({"rank": rank, "samples": samples, "pieces": stats["pieces"],
-                                          "after_close": sample(store)}))
+        pieces = opt.stats()["pieces"]
+    write_result(args.out, rank, {"samples": samples, "pieces": pieces, "after_close": sample(store_keys)})
     if args.worker == "torch":
         dist.destroy_process_group()
 
 
+def worker_tensorflow(args: argparse.Namespace) -> None:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from commsched.plugins.tensorflow import DistributedOptimizer
+
+    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = soak_config(args)
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(8)])
+        opt = DistributedOptimizer(keras.optimizers.Adam(1e-3), config=config)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    step_fn = tf.function(lambda x, y: strategy.run(train_step, args=(x, y)))
+    rs = np.random.RandomState(rank)
+    samples = []
+    with opt:
+        for step in range(args.steps):
+            x, y = rs.randn(16, 32).astype("float32"), rs.randn(16, 8).astype("float32")
+            step_fn(x, y)
+            if step % args.every == 0 or step == args.steps - 1:
+                samples.append(dict(step=step, **sample()))
+        # the step is one compiled graph: its pieces are those of the traced plan, every step
+        per_step = len(opt.commsched.plans[-1].pieces) if opt.commsched.plans else 0
+    write_result(args.out, rank, {"samples": samples, "pieces": per_step * args.steps, "after_close": sample()})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # MultiWorkerMirroredStrategy's shutdown at interpreter exit can wait on the other
+    # worker's coordination service; the result is written, so leave now
+    os._exit(0)
+
+
+def worker_mxnet(args: argparse.Namespace) -> None:
+    import mxnet as mx
+    import numpy as np
+    from mxnet import autograd, gluon
+
+    import commsched.plugins.mxnet as cmx
+
+    config = soak_config(args)
+    kv = cmx.KVStore(mx.kv.create("dist_sync"), config)
+    rank = kv.rank
+    server = getattr(kv, "_store_server", None)  # worker 0 serves the order store
+    store_keys = server.num_keys if server is not None else None
+    mx.random.seed(3)
+    net = gluon.nn.Sequential()
+    net.add(gluon.nn.Dense(64, in_units=32, activation="relu"), gluon.nn.Dense(64, in_units=64, activation="tanh"),
+            gluon.nn.Dense(8, in_units=64))
+    net.initialize(mx.init.Xavier())
+    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-3}, kvstore=kv)
+    rs = np.random.RandomState(rank)
+    samples = []
+    for step in range(args.steps):
+        x, y = mx.nd.array(rs.randn(16, 32)), mx.nd.array(rs.randn(16, 8))
+        with autograd.record():
+            loss = ((net(x) - y) ** 2).mean()
+        loss.backward()
+        trainer.step(16)
+        loss.asnumpy()
+        if step % args.every == 0 or step == args.steps - 1:
+            samples.append(dict(step=step, **sample(store_keys)))
+    kv.synchronize()
+    pieces = kv.stats()["pieces"]
+    kv.close()
+    write_result(args.out, rank, {"samples": samples, "pieces": pieces, "after_close": sample()})
+
+
+def worker(args: argparse.Namespace) -> None:
+    if args.worker == "tensorflow":
+        worker_tensorflow(args)
+    elif args.worker == "mxnet":
+        worker_mxnet(args)
+    else:
+        worker_torch(args)
+
+
 def judge(rank_result: dict, warmup: int) -> dict:
-    """The figures and the verdict of one rank."""
+    """The figures and the verdict of one worker."""
     after = [s for s in rank_result["samples"] if s["step"] >= warmup]
     base, last = after[0], after[-1]
     growth = (last["rss_bytes"] - base["rss_bytes"]) / base["rss_bytes"]
@@ -109,21 +226,24 @@ def judge(rank_result: dict, warmup: int) -> dict:
             "store_keys": keys, "pieces": rank_result["pieces"], "ok": not why, "why": why}
 
 
-def run_backend(backend: str, steps: int, every: int, warmup: int, ordering: str, workdir: Path,
-                timeout: float) -> dict:
-    import socket
+def start(backend: str, me: list[str], env: dict, workdir: Path, timeout: float) -> tuple[list, list]:
+    """Start the job's processes (2 workers; MXNet: its launcher); return them and cleanup callables."""
+    from commsched.bench.procs import free_ports
 
-    me = [sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--steps", str(steps),
-          "--every", str(every), "--ordering", ordering]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cleanup = []
+    logs, cleanup = [], []
+
+    def popen(argv, extra, name):
+        log = open(workdir / f"{backend}.{name}.log", "wb")
+        logs.append(log)
+        return subprocess.Popen(argv, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=str(REPO), start_new_session=True)
+
+    cleanup.append(lambda: [log.close() for log in logs])
     if backend == "torch":
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        extra = [dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2") for r in range(2)]
-    else:
+        port = free_ports(1)[0]
+        procs = [popen(me, dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2"),
+                       f"rank{r}") for r in range(2)]
+    elif backend == "horovod":
         from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
         from horovod.runner.http.http_server import RendezvousServer
 
@@ -131,66 +251,90 @@ def run_backend(backend: str, steps: int, every: int, warmup: int, ordering: str
         port = server.start()
         server.init(get_host_assignments(parse_hosts("localhost:2"), 2))
         cleanup.append(server.stop)
-        extra = [dict(HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1", HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
-                      HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="lo",
-                      HOROVOD_HOSTNAME="localhost", HOROVOD_RANK=str(r), HOROVOD_SIZE="2", HOROVOD_LOCAL_RANK=str(r),
-                      HOROVOD_LOCAL_SIZE="2", HOROVOD_CROSS_RANK="0", HOROVOD_CROSS_SIZE="1") for r in range(2)]
-    outs = [workdir / f"{backend}.rank{r}.json" for r in range(2)]
-    logs = [open(workdir / f"{backend}.rank{r}.log", "wb") for r in range(2)]
+        procs = [popen(me, dict(HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1", HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
+                                HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="lo",
+                                HOROVOD_HOSTNAME="localhost", HOROVOD_RANK=str(r), HOROVOD_SIZE="2",
+                                HOROVOD_LOCAL_RANK=str(r), HOROVOD_LOCAL_SIZE="2", HOROVOD_CROSS_RANK="0",
+                                HOROVOD_CROSS_SIZE="1"), f"rank{r}") for r in range(2)]
+    elif backend == "tensorflow":
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+        procs = [popen(me, dict(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": r}})),
+                       f"rank{r}") for r in range(2)]
+    else:  # mxnet: the launcher starts the scheduler, the server and both workers, and stops them
+        cmd = [sys.executable, "-m", "commsched", "launch", "mxnet", "--workers", "2", "--servers", "1",
+               "--timeout", str(timeout), "--", *me]
+        procs = [popen(cmd, {}, "launcher")]
+    return procs, cleanup
+
+
+def run_backend(backend: str, steps: int, every: int, warmup: int, ordering: str, workdir: Path,
+                timeout: float, timeout_s: float = 60.0) -> dict:
+    outdir = workdir / backend
+    outdir.mkdir(parents=True, exist_ok=True)
+    for stale in outdir.glob("rank*.json"):
+        stale.unlink()
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--steps", str(steps),
+          "--every", str(every), "--ordering", ordering, "--timeout-s", str(timeout_s), "--out", str(outdir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
+               CUDA_VISIBLE_DEVICES="")
     started = time.monotonic()
-    procs = [subprocess.Popen([*me, "--out", str(outs[r])], env={**env, **extra[r]}, stdout=logs[r],
-                              stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True) for r in range(2)]
+    procs, cleanup = start(backend, me, env, workdir, timeout)
     try:
         for p in procs:
-            p.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
+            p.wait(timeout=max(1.0, timeout + 30 - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
         pass
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, 9)  # the worker's own session: only what it started
+                os.killpg(p.pid, 9)  # the process's own session: only what this run started
                 p.wait(timeout=10)
-        for log in logs:
-            log.close()
-        for fn in cleanup:
+        for fn in reversed(cleanup):
             fn()
     seconds = time.monotonic() - started
+    outs = [outdir / f"rank{r}.json" for r in range(2)]
+    codes = [p.returncode for p in procs]
     if not all(o.exists() for o in outs):
-        return {"ok": False, "why": [f"a rank wrote no result (exit {[p.returncode for p in procs]}); logs in "
-                                     f"{workdir}"], "seconds": round(seconds, 1)}
+        return {"ok": False, "why": [f"a worker wrote no result (exit {codes}); logs in {workdir}"],
+                "seconds": round(seconds, 1), "store_keys_measure": STORE_KEYS[backend]}
     ranks = [judge(json.loads(o.read_text()), warmup) for o in outs]
-    return {"ok": all(r["ok"] for r in ranks) and all(p.returncode == 0 for p in procs), "steps": steps,
-            "ordering": ordering, "warmup": warmup, "seconds": round(seconds, 1), "ranks": ranks,
-            "returncodes": [p.returncode for p in procs]}
+    why = [f"exit status {codes} (a process failed or was killed at the deadline)"] if any(codes) else []
+    return {"ok": all(r["ok"] for r in ranks) and not why, "why": why, "steps": steps, "ordering": ordering,
+            "warmup": warmup, "seconds": round(seconds, 1), "store_keys_measure": STORE_KEYS[backend],
+            "ranks": ranks, "returncodes": codes}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="torch,horovod", help=f"comma-separated, from {', '.join(BACKENDS)}")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {', '.join(BACKENDS)}")
     ap.add_argument("--steps", type=int, default=2000, help="steps per run (default 2000)")
     ap.add_argument("--every", type=int, default=50, help="sample every this many steps (default 50)")
     ap.add_argument("--warmup", type=int, default=None, help="baseline step (default: a tenth of --steps)")
     ap.add_argument("--ordering", default="dynamic", choices=["dynamic", "static", "fifo"])
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="the scheduler's timeout_s (default 60)")
     ap.add_argument("--out", default="soak.json")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args)  # --out is this rank's result file
+        worker(args)  # --out is the folder for this worker's rank<r>.json
         return 0
     if args.steps < 2 or args.every < 1:
         ap.error("--steps must be at least 2 and --every at least 1")
-    backends = [b for b in args.backends.split(",") if b]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
-    if bad:
-        ap.error(f"--backends: unknown {', '.join(bad)}; use some of {', '.join(BACKENDS)}")
+    if bad or not backends:
+        ap.error(f"--backends: unknown {', '.join(bad) or '(none given)'}; use some of {', '.join(BACKENDS)}")
     warmup = args.warmup if args.warmup is not None else max(args.every, args.steps // 10)
+    if warmup >= args.steps:
+        ap.error(f"--warmup {warmup} must be below --steps {args.steps}")
     import tempfile
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="commsched-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    startup = {"torch": 60, "horovod": 60, "tensorflow": 120, "mxnet": 120}
     report = {b: run_backend(b, args.steps, args.every, warmup, args.ordering, workdir,
-                             timeout=120 + args.steps * 0.5) for b in backends}
+                             timeout=startup[b] + args.steps * 0.5, timeout_s=args.timeout_s) for b in backends}
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return 0 if all(r["ok"] for r in report.values()) else 1
