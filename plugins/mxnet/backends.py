@@ -24,6 +24,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import weakref
 from typing import Callable, Mapping, Optional
 
@@ -34,8 +35,10 @@ from commsched.scheduler import Piece
 from commsched.tcpstore import StoreClient, StoreServer
 from commsched.plugins.mxnet.gate import Gates
 from commsched.plugins.mxnet.tensor_ops import Transfer
+from commsched.plugins.mxnet.timing import StepTimes
 
-__all__ = ["FIRST_SUB_KEY", "KVStoreBackend", "advertised_host", "allocate_sub_keys", "order_store", "sync_kvstore"]
+__all__ = ["FIRST_SUB_KEY", "KVStoreBackend", "advertised_host", "allocate_sub_keys", "order_store", "server_count",
+           "sync_kvstore"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ class KVStoreBackend:
         self.rank = int(kvstore.rank)
         self.world_size = int(kvstore.num_workers)
         self._gates = gates
+        #: where started and landed pieces are counted (:class:`~commsched.plugins.mxnet.timing.StepTimes`), or None
+        self.times: Optional[StepTimes] = None
         self._waiter: queue.SimpleQueue = queue.SimpleQueue()
         self._waiter_thread: Optional[threading.Thread] = None
         if gates is None:
@@ -77,6 +82,14 @@ class KVStoreBackend:
         transfer: Transfer = piece.task.tensor
         source, target = transfer.pieces[piece.index]
         key = transfer.first_key + piece.index
+        times, step = self.times, piece.task.step
+        if times is not None:  # the piece's span, for the KVStore's report
+            index = times.piece_started(step, piece.nbytes, time.monotonic())
+            inner = done
+
+            def done(exc: Optional[BaseException]) -> None:
+                times.piece_done(step, index, time.monotonic())
+                inner(exc)
         if target is source:
             self.kvstore.pushpull(key, source, priority=-piece.task.priority)
         else:
@@ -166,7 +179,7 @@ def order_store(kvstore: mx.kv.KVStore) -> tuple[StoreServer | None, StoreClient
 def advertised_host(environ: Mapping[str, str] | None = None) -> str:
     """The IPv4 address the other workers can reach this one on, as ps-lite chooses it.
 
-    This is the one place the plugin reads ps-lite's variables: ``DMLC_NODE_HOST``
+    This and :func:`server_count` are the only places the plugin reads ps-lite's variables: ``DMLC_NODE_HOST``
     if set (``commsched launch`` sets it), else the address of the interface that
     routes to ``DMLC_PS_ROOT_URI`` (no packet is sent), else 127.0.0.1.
     """
@@ -183,3 +196,14 @@ def advertised_host(environ: Mapping[str, str] | None = None) -> str:
         except OSError as exc:
             log.warning("could not find the interface towards DMLC_PS_ROOT_URI=%s (%s); using 127.0.0.1", root, exc)
     return "127.0.0.1"
+
+
+def server_count(environ: Mapping[str, str] | None = None) -> int | None:
+    """The number of ps-lite servers of this job (``DMLC_NUM_SERVER``), or None when it is not a
+    positive integer (a ``local`` store has none)."""
+    env = os.environ if environ is None else environ
+    try:
+        count = int(env.get("DMLC_NUM_SERVER", ""))
+    except ValueError:
+        return None
+    return count if count > 0 else None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -52,9 +53,10 @@ from commsched.scheduler import Scheduler
 from commsched.tcpstore import StoreClient, StoreServer
 from commsched.plugins.mxnet import gate as gate_mod
 from commsched.plugins.mxnet.backends import (FIRST_SUB_KEY, KVStoreBackend, allocate_sub_keys, order_store,
-                                              sync_kvstore)
+                                              server_count, sync_kvstore)
 from commsched.plugins.mxnet.tensor_ops import (KeyEntry, Transfer, TransferOps, as_list, check_array, key_items,
                                                 single)
+from commsched.plugins.mxnet.timing import StepTimes, format_report, pslite_comm_s
 
 __all__ = ["FIRST_SUB_KEY", "Commsched", "KVStore", "register"]
 
@@ -120,6 +122,8 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         self._server_update = bool(update_on_kvstore)
         self._gates = gate_mod.Gates() if self._gate_mode == "engine" else None
         self._backend = KVStoreBackend(inner, self._gates)
+        self._times = self._backend.times = StepTimes()  # the moments report() summarizes
+        self._transfer_ids = itertools.count()
         self._entries: dict[Any, KeyEntry] = {}
         self._seen: set = set()  # keys of the current step (the Trainer communicates each key once per step)
         self._outstanding: set[Future] = set()  # futures of pushpulls whose result has not landed
@@ -302,6 +306,60 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         """The scheduler's counters (pieces, bytes, order per step, ...)."""
         return self._scheduler.stats()
 
+    def report_numbers(self, topology: Any = None) -> dict:
+        """The figures of :meth:`report`, as a dict (``None`` where a figure was not measured).
+
+        Means over the last complete steps kept (up to 20; step 0, which holds the initial
+        broadcast, left out): ``step_s``, ``first_layer_wait_s``, ``tail_s``, ``blocked_s``,
+        ``comm_busy_s``, ``busy_in_backward_s``, ``bytes_per_step``, ``pieces_per_step``,
+        ``payload_bandwidth_bytes_s``, ``goodput_bytes_s`` (see
+        :mod:`commsched.plugins.mxnet.timing`); ``settings``; with ``topology``,
+        ``expected_comm_s``.
+        """
+        stats = self._scheduler.stats()
+        distributed = "dist" in self.type
+        servers = server_count() if distributed else None
+        out = self._times.summary(self._gate_mode)
+        out["steps"] = stats["steps"] + (1 if self._seen else 0)  # the current step has not been ended yet
+        out["settings"] = {"ordering": stats["ordering"], "partition_bytes": stats["partition_bytes"],
+                           "credit_bytes": stats["credit_bytes"], "gate": self._gate_mode,
+                           "update_on_kvstore": self._server_update, "workers": self.num_workers,
+                           "servers": servers if servers is not None else ("unknown" if distributed else "none"),
+                           "kvstore": self.type}
+        out.update(expected_comm_s=None, topology=None, servers=servers)
+        if topology is not None:
+            from commsched.costmodel.topology import Topology
+
+            if not isinstance(topology, Topology):
+                raise TypeError(f"topology must be a commsched.costmodel.Topology (Topology.from_json('topo.json'), "
+                                f"Topology.described(...)), not {type(topology).__name__}")
+            if topology.world_size != self.num_workers:
+                raise ValueError(f"the topology has {topology.world_size} ranks and this job {self.num_workers} "
+                                 "workers; describe the workers' machines (the servers are modelled on nodes of "
+                                 "their own)")
+            if servers is None:
+                raise ValueError("the number of ps-lite servers is unknown (DMLC_NUM_SERVER is not set): the "
+                                 "expected time needs it; start the job with DMLC_NUM_SERVER set, as dmlc's "
+                                 "launch.py and commsched launch do")
+            out["topology"] = topology.describe()
+            if out["bytes_per_step"] is not None:
+                out["expected_comm_s"] = pslite_comm_s(topology, out["bytes_per_step"], out["pieces_per_step"],
+                                                       servers)
+        return out
+
+    def report(self, topology: Any = None) -> str:
+        """A short summary of the training so far, as text (print or log it).
+
+        Per step: the time the next forward's first layer waited in its engine gate past
+        the end of backward, how long communication went on after backward, bytes and pieces,
+        the time pieces were in flight and the bandwidth that gives, goodput, the settings in
+        use; with ``topology`` (a :class:`commsched.costmodel.Topology`, e.g. from
+        ``commsched probe``) also ps-lite's expected push and pull time. What the KVStore
+        cannot measure (the next forward's own operations; with ``gate="issue"`` the
+        engine's wait) is said, not printed as zero. Figures as a dict: :meth:`report_numbers`.
+        """
+        return format_report(self.report_numbers(topology))
+
     def close(self, timeout: float | None = None) -> None:
         """Finish pending transfers (at most ``timeout``), open every gate, stop every thread. Idempotent.
 
@@ -442,33 +500,45 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
             return
         ticket = self._scheduler.reserve(transfer.name, priority=-int(priority))
         self._outstanding.add(ticket.future)
+        step, tid = ticket.task.step, next(self._transfer_ids)
+        self._times.reserved(step, tid, -int(priority))
         try:
             # The notifier reads `staging` before the gate writes it, so it fires when
             # backward (or the copy into the push buffer) finished, never later.
-            self._gates.notify(staging, functools.partial(ticket.ready, transfer))
+            self._gates.notify(staging, functools.partial(self._ready, ticket, transfer, step, tid))
             gate = self._gates.gate(staging if target is None else target, transfer.name)
         except BaseException as exc:
             self._scheduler.abort(exc)
             raise
-        ticket.future.add_done_callback(functools.partial(self._landed, gate))
+        ticket.future.add_done_callback(functools.partial(self._landed, gate, step, tid))
+
+    def _ready(self, ticket: Any, transfer: Transfer, step: int, tid: int) -> None:
+        # Engine thread, from the notifier: backward wrote the gradient. Never raises.
+        self._times.ready(step, tid, time.monotonic())
+        ticket.ready(transfer)
 
     def _issue_and_wait(self, transfer: Transfer, priority: int) -> None:
         # Fallback without engine gates: return once every piece was issued, so that
         # what the caller queues next (the update) is ordered after the pulls.
         issued = threading.Event()
         transfer.on_issued = issued.set
+        start = time.monotonic()
+        step, tid = self._scheduler.step, next(self._transfer_ids)  # the step this submit joins
+        self._times.reserved(step, tid, priority)
         future = self._scheduler.submit(transfer.name, transfer, priority=priority)
         self._outstanding.add(future)
-        future.add_done_callback(functools.partial(self._landed, None))
-        deadline = time.monotonic() + self.config.timeout_s
+        future.add_done_callback(functools.partial(self._landed, None, step, tid))
+        deadline = start + self.config.timeout_s
         while not issued.wait(_LOOK_S):
             self._scheduler.check()
             if time.monotonic() > deadline:
                 raise CommschedTimeout(f"issuing the pieces of key {transfer.name!r}", self.config.timeout_s,
                                        self._scheduler.pending())
+        self._times.blocked(step, time.monotonic() - start)
 
-    def _landed(self, gate: gate_mod.Gate | None, future: Future) -> None:
+    def _landed(self, gate: gate_mod.Gate | None, step: int, tid: int, future: Future) -> None:
         # Completion thread (or the caller's, if already done): opening gates calls the engine.
+        self._times.landed(step, tid, time.monotonic())
         self._outstanding.discard(future)
         if gate is not None:
             gate.open()
