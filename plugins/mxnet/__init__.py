@@ -1,8 +1,11 @@
 """commsched for MXNet: a KVStore that schedules ps-lite push/pull by priority, in
 pieces, within a credit window, and lets the next forward start layer by layer.
 
-``import commsched.plugins.mxnet`` registers the KVStore type ``"commsched"``::
+``import commsched.plugins.mxnet`` registers the KVStore types ``"commsched"`` and
+``"dist_commsched"`` (the name to give ``gluon.Trainer(kvstore=...)`` as a string: Gluon
+drops a one-context worker's store whose name lacks "dist")::
 
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {...}, kvstore="dist_commsched")
     kv = mx.kv.create("commsched")        # dist_sync underneath; settings from COMMSCHED_*
     kv = commsched.plugins.mxnet.KVStore("dist_sync", config=commsched.SchedulerConfig(...))
     trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {...}, kvstore=kv)
@@ -19,8 +22,8 @@ except ImportError as exc:  # the framework is an extra: say which one to instal
                       "install it with: pip install commsched[mxnet]") from exc
 
 from commsched.plugins.mxnet.functions import plan_model  # noqa: E402
-from commsched.plugins.mxnet.kvstore import FIRST_SUB_KEY, Commsched, KVStore, register  # noqa: E402
+from commsched.plugins.mxnet.kvstore import FIRST_SUB_KEY, Commsched, Dist_Commsched, KVStore, register  # noqa: E402
 
 register()
 
-__all__ = ["FIRST_SUB_KEY", "Commsched", "KVStore", "plan_model", "register"]
+__all__ = ["FIRST_SUB_KEY", "Commsched", "Dist_Commsched", "KVStore", "plan_model", "register"]

@@ -58,7 +58,7 @@ from commsched.plugins.mxnet.tensor_ops import (KeyEntry, Transfer, TransferOps,
                                                 single)
 from commsched.plugins.mxnet.timing import StepTimes, format_report, pslite_comm_s
 
-__all__ = ["FIRST_SUB_KEY", "Commsched", "KVStore", "register"]
+__all__ = ["FIRST_SUB_KEY", "Commsched", "Dist_Commsched", "KVStore", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -575,7 +575,19 @@ class Commsched(KVStore):
         super().__init__("dist_sync")
 
 
+class Dist_Commsched(Commsched):  # noqa: N801  (MXNet registers a type under its class name, lower-cased)
+    """``kvstore="dist_commsched"``: the same store under a name Gluon keeps.
+
+    ``gluon.Trainer(..., kvstore=<a string>)`` on a worker with one context creates the
+    store only when the string contains ``"dist"`` (MXNet 1.9.1, ``model._create_kvstore``);
+    otherwise it trains without any KVStore, each worker alone, silently. So a string
+    passed to the Trainer must be ``"dist_commsched"``; ``mx.kv.create("commsched")`` and
+    the object passed as ``kvstore=`` work under either name.
+    """
+
+
 def register() -> None:
-    """Register the ``commsched`` KVStore type (done by ``import commsched.plugins.mxnet``)."""
-    if mx.kv.KVStoreBase.kv_registry.get("commsched") is not Commsched:
-        mx.kv.KVStoreBase.register(Commsched)
+    """Register the ``commsched`` and ``dist_commsched`` KVStore types (done by ``import commsched.plugins.mxnet``)."""
+    for name, klass in (("commsched", Commsched), ("dist_commsched", Dist_Commsched)):
+        if mx.kv.KVStoreBase.kv_registry.get(name) is not klass:
+            mx.kv.KVStoreBase.register(klass)

@@ -290,3 +290,19 @@ def test_bad_constructor_arguments_name_the_argument_and_the_fix_before_any_stor
     with pytest.raises(error, match=message):
         cmx.KVStore(args.pop("kvstore"), **args)
     assert commsched_threads() == before
+
+
+def test_gluon_drops_a_one_context_string_kvstore_without_dist_so_the_trainer_string_is_dist_commsched():
+    # Why "dist_commsched" exists: MXNet 1.9.1's Gluon creates a string kvstore for one
+    # context only when the name contains "dist", so kvstore="commsched" trains alone.
+    assert mx.kv.KVStoreBase.kv_registry["dist_commsched"] is cmx.Dist_Commsched
+    assert mx.kv.KVStoreBase.kv_registry["commsched"] is cmx.Commsched
+    assert issubclass(cmx.Dist_Commsched, cmx.Commsched) and "dist" in "dist_commsched"
+    net = gluon.nn.Dense(4, in_units=3)
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="commsched")
+    with autograd.record():
+        loss = net(mx.nd.ones((2, 3))).sum()
+    loss.backward()
+    trainer.step(2)
+    assert trainer._kvstore is None  # no store, no communication, no error: what the docs warn about
