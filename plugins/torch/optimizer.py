@@ -725,6 +725,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             if mine:
                 owned.update(id(s.param) for s in mine)
                 self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(mine)))
+                # A checkpoint holds every ended step's update: model.state_dict() (torch.save on rank 0)
+                # and load_state_dict() (every rank) apply them first, as DDP's parameters would be.
+                checkpoint = self._make_checkpoint_hook(mine)
+                self._hooks.append(module.register_state_dict_pre_hook(checkpoint))
+                self._hooks.append(module.register_load_state_dict_pre_hook(checkpoint))
         # The root waits for parameters whose module never runs its own forward.
         self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         # profile(): per-layer timings of the last few steps (a bounded ring); close() removes its hooks.
@@ -867,6 +872,21 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                         self._seen.add(id(s.param))
             self._ready(states, "forward")
         return pre_hook
+
+    def _make_checkpoint_hook(self, states: list[_ParamState]) -> Callable:
+        """A state-dict pre-hook (save and load) for one module: apply the updates of ``states`` whose
+        step ended (``step()`` was called), waiting for their reductions. Without it, cross-iteration,
+        ``torch.save(model.state_dict())`` would miss the last step's update, and a rank that loads a
+        checkpoint would apply its own pending update on top of the loaded parameters (twice, since the
+        saving rank's checkpoint has it). Gradients of a step not ended yet stay pending, as DDP's
+        parameters are not updated before ``step()`` either."""
+        def hook(module: torch.nn.Module, *args: Any) -> None:
+            if self._closed or not self._cross:
+                return
+            ended = [s for s in states if s.future is not None and s.hyper is not None]
+            if ended:
+                self._ready(ended, "state_dict")
+        return hook
 
     def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._orphans:

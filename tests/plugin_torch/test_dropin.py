@@ -187,3 +187,30 @@ def test_horovod_synthetic_benchmark_one_line_change_matches_hvd(tmp_path):
     # A figure to read, not a timed assertion (2 shared cores).
     print(json.dumps({"benchmark": "horovod-synthetic", "hvd_img_sec_per_worker":
                       round(hvd_result["img_sec_per_worker"], 1), "commsched": lines}), file=sys.stderr)
+
+
+def test_model_state_dict_holds_every_ended_step_and_load_does_not_apply_it_again():
+    # torchrun + DDP scripts save model.state_dict() on rank 0 after step() and load it on every
+    # rank (docs/quickstart.md): the checkpoint must hold the last step's update, which the
+    # cross-iteration overlap leaves for the next forward, and a load must not leave that update
+    # pending to be applied on top of the loaded parameters.
+    model, reference = small(), small()
+    ref_opt = sgd(reference)
+    opt = DistributedOptimizer(sgd(model), model)
+    with opt:
+        for _ in range(2):
+            for m, o in ((model, opt), (reference, ref_opt)):
+                o.zero_grad()
+                m(torch.ones(3, 4)).sum().backward()
+                o.step()
+        saved = model.state_dict()  # step 2's update was pending until here
+        assert all(torch.equal(saved[k], v) for k, v in reference.state_dict().items())
+        # a backward whose step() has not run yet stays pending, as DDP's parameters are not updated yet
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+        opt.step()
+        model.load_state_dict(saved)  # the pending update of step 3 lands first, then the load overwrites it
+        with torch.no_grad():
+            model(torch.ones(3, 4))  # nothing left to apply
+        assert all(torch.equal(p, saved[k]) for k, p in model.state_dict().items())
