@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from commsched.errors import CommschedTimeout, HorovodUnavailable
 from commsched.plugins.tensorflow import keys
+from commsched.plugins.tensorflow.failures import TracedTimeout
 
 __all__ = ["ABORT_STAGGER_S", "BACKENDS", "CollectiveBackend", "HorovodBackend", "ReplicaGroup", "make_backend",
            "replica_group"]
@@ -148,9 +149,12 @@ class CollectiveBackend:
                 rows[group.rank, 1:1 + len(data)] = np.frombuffer(data, np.uint8)
                 rows = self._eager_reduce(tf.constant(rows), group, start, 1, "Add").numpy()
             except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError, tf.errors.CancelledError) as exc:
-                raise CommschedTimeout(f"worker {group.rank} exchanging its plan check with the other workers (does "
-                                       "every worker run ordering='planned' with a plan, and is it alive?) "
-                                       f"[{type(exc).__name__}]", self.timeout_s) from None
+                # TracedTimeout: raised while a tf.function traces, it reaches the user as itself
+                # (a plain CommschedTimeout would become AutoGraph's StagingError)
+                error = CommschedTimeout(f"worker {group.rank} exchanging its plan check with the other workers (does "
+                                         "every worker run ordering='planned' with a plan, and is it alive?) "
+                                         f"[{type(exc).__name__}]", self.timeout_s)
+                raise TracedTimeout.of(error) from exc
         return [json.loads(bytes(row[1:1 + row[0]].astype(np.uint8).tobytes()).decode()) for row in rows]
 
     def _eager_reduce(self, value: tf.Tensor, group: ReplicaGroup, start: Any, k: int, merge: str) -> tf.Tensor:

@@ -1,5 +1,13 @@
-"""Public helpers: ``unroll`` (several training steps in one ``tf.function``, for
+"""Public helpers: ``function`` (``tf.function`` whose failures of commsched's pieces are
+commsched's errors), ``unroll`` (several training steps in one such function, for
 cross-iteration overlap) and ``plan_model`` (the model as a plan names it).
+
+A compiled step runs its graph without commsched's Python code on the call path, so a
+piece that fails there (a worker died, or hangs) reaches a plain ``tf.function``'s
+caller as TensorFlow's ``UnavailableError``/``DeadlineExceededError``. :func:`function`
+is ``tf.function`` plus that translation (:mod:`commsched.plugins.tensorflow.failures`):
+the caller gets a :class:`~commsched.errors.CommunicationError` or
+:class:`~commsched.errors.CommschedTimeout` naming the piece, the TF error as its cause.
 
 Separate ``tf.function`` calls cannot overlap: each call returns only when all of
 its ops finished, so step t+1's forward cannot start while step t's last
@@ -17,14 +25,75 @@ or to see what a plan made elsewhere must call them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import tensorflow as tf
 
 from commsched.plan import PlannedTensor
-from commsched.plugins.tensorflow.reduction import planned_tensor, variable_name
+from commsched.plugins.tensorflow.failures import raise_translated
+from commsched.plugins.tensorflow.reduction import planned_tensor, process_report, variable_name
 
-__all__ = ["plan_model", "unroll"]
+__all__ = ["function", "plan_model", "report", "unroll"]
+
+
+def report(topology: Any = None) -> str:
+    """A short summary of every reduction this process traced (optimizers and tapes alike):
+    bytes and pieces per step; as measured in the graph, communication in flight, exposed
+    communication, effective bandwidth; the settings in use; with ``topology`` (a
+    :class:`commsched.costmodel.Topology`) what the network should take and the simulator's
+    expected step. ``opt.report()`` and ``tape.report()`` cover one optimizer or tape."""
+    return process_report(topology)
+
+
+class CompiledStep:
+    """A ``tf.function`` whose calls raise commsched's error for a failed commsched piece
+    (anything else goes through as raised). Other attributes are the ``tf.function``'s
+    (``get_concrete_function``, ``experimental_get_tracing_count``, ``python_function``)."""
+
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+        functools.update_wrapper(self, compiled, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (translated or re-raised unchanged)
+            raise_translated(exc)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:  # decorating a method
+        return self if instance is None else CompiledStep(self._compiled.__get__(instance, owner))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
+
+
+def function(fn: Callable[..., Any] | None = None, **tf_function_kwargs: Any) -> Any:
+    """``tf.function(fn, **tf_function_kwargs)`` (also as ``@function`` or ``@function(...)``)
+    whose calls raise commsched's errors when one of commsched's pieces fails:
+
+    * a worker gone (TF's ``UnavailableError``, ``CancelledError``, ...):
+      :class:`~commsched.errors.CommunicationError` naming the tensor and piece;
+    * a worker silent past ``timeout_s`` (``DeadlineExceededError``):
+      :class:`~commsched.errors.CommschedTimeout`, ``pending`` naming the piece;
+    * a commsched error raised while the function was traced, which AutoGraph wraps in
+      a ``StagingError``: that commsched error.
+
+    The TF error is the ``__cause__``. Errors that are not about commsched's pieces go
+    through unchanged. ``fn`` may already be a ``tf.function``.
+    """
+    if fn is None:
+        return lambda f: function(f, **tf_function_kwargs)
+    if isinstance(fn, CompiledStep):
+        return fn
+    if hasattr(fn, "get_concrete_function"):  # already a tf.function
+        if tf_function_kwargs:
+            raise ValueError(f"function(): {getattr(fn, '__name__', fn)!r} is already a tf.function; pass its Python "
+                             f"function to set {', '.join(sorted(tf_function_kwargs))}")
+        return CompiledStep(fn)
+    if not callable(fn):
+        raise TypeError(f"function() compiles a callable, got {type(fn).__name__}")
+    return CompiledStep(tf.function(fn, **tf_function_kwargs))
 
 
 def plan_model(variables: Iterable[Any]) -> list[PlannedTensor]:
@@ -35,8 +104,8 @@ def plan_model(variables: Iterable[Any]) -> list[PlannedTensor]:
 
 
 def unroll(step_fn: Callable[..., Any], n: int, *, jit_compile: bool | None = None) -> Callable[..., list[Any]]:
-    """Return a ``tf.function`` that runs ``step_fn(*args, **kwargs)`` ``n`` times and
-    returns the list of its ``n`` results.
+    """Return a compiled :func:`function` that runs ``step_fn(*args, **kwargs)`` ``n`` times
+    and returns the list of its ``n`` results.
 
     ``step_fn`` is one training step as plain Python (typically
     ``lambda it: strategy.run(train_step, args=(next(it),))``); if it is already a
@@ -56,4 +125,4 @@ def unroll(step_fn: Callable[..., Any], n: int, *, jit_compile: bool | None = No
         return [fn(*args, **kwargs) for _ in range(n)]
 
     steps.__name__ = f"unrolled_{getattr(fn, '__name__', 'step')}_x{n}"
-    return tf.function(steps, jit_compile=jit_compile)
+    return function(steps, jit_compile=jit_compile)

@@ -131,6 +131,13 @@ class _Lifecycle:
         """Refuse further gradient reductions (:class:`commsched.SchedulerClosed`). Idempotent."""
         self.commsched.close()
 
+    def report(self, topology=None) -> str:
+        """A short summary of the steps so far: bytes and pieces per step, and as measured in
+        the graph communication time, exposed communication, effective bandwidth; the
+        settings in use; with ``topology`` the cost model's expectation. See
+        :meth:`commsched.plugins.tensorflow.reduction.GradientReducer.report`."""
+        return self.commsched.report(topology)
+
     def __enter__(self):
         return self
 

@@ -52,11 +52,15 @@ from commsched.plan import Plan as CommPlan
 from commsched.plan import PlanMismatch, PlannedTensor
 from commsched.plan_agreement import agree_on_plan, check_plan
 from commsched.replay import Plan, PlanTensor, backward_ready_times, plan
+from commsched.plugins.tensorflow import failures
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
+from commsched.plugins.tensorflow.measure import Recorder, stamp
+from commsched.plugins.tensorflow.stats import TraceRecord, format_report, reduction_stats
 from commsched.plugins.tensorflow.tensor_ops import check_gradient, dense, join_pieces
 from commsched.timeline import Timeline
 
-__all__ = ["GradientReducer", "OPS", "is_reduced", "mark_reduced", "planned_tensor", "slots_for", "variable_name"]
+__all__ = ["GradientReducer", "OPS", "is_reduced", "mark_reduced", "planned_tensor", "process_report", "slots_for",
+           "variable_name"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,10 @@ OPS = ("sum", "mean")
 
 _reduced: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _reduced_lock = threading.Lock()
+# Every traced reduction of the process (the newest 64), for the process-wide report(): a
+# tape's reducer lives only as long as its trace, its measurements as long as the graph runs.
+_records: list[TraceRecord] = []
+_records_lock = threading.Lock()
 _timelines: dict[str, tuple[Timeline, list[float]]] = {}  # path -> (timeline, [end of the last plan, us])
 _timelines_lock = threading.Lock()
 # Plans every worker agreed on, by (plan source, this run's gradients, world size): the agreement
@@ -122,6 +130,10 @@ class GradientReducer:
         self.op = op
         self.slots = slots_for(self.config)
         self.plans: list[Plan] = []
+        #: :class:`~commsched.plugins.tensorflow.stats.TraceRecord` of every trace (the newest 8 last):
+        #: its plan and what the graph measured of its pieces
+        self.records: list[TraceRecord] = []
+        self._world = 1
         #: with ``ordering="planned"``: the :class:`commsched.plan.Plan` every worker agreed on (None before)
         self.plan: CommPlan | None = None
         self.closed = False
@@ -177,15 +189,42 @@ class GradientReducer:
             value = dense(grads[i])
             check_gradient(names[i], value)
             values.append(value)
-        if planned is not None:
-            reduced = self._reduce_planned(values, [names[i] for i in todo], group, planned)
-        else:
-            reduced = self._reduce_dense(values, [names[i] for i in todo], group)
+        self._world = group.size
+        try:
+            if planned is not None:
+                reduced = self._reduce_planned(values, [names[i] for i in todo], group, planned)
+            else:
+                reduced = self._reduce_dense(values, [names[i] for i in todo], group)
+        except tf.errors.OpError as exc:  # eagerly, a piece failed right here
+            failures.raise_translated(exc)
         out = list(grads)
         for i, value in zip(todo, reduced, strict=True):
             out[i] = value
             mark_reduced(value)
         return out
+
+    def settings(self) -> dict[str, Any]:
+        """The settings in use: ordering, piece size, credit, ordering chains, backend, op, timeout
+        (and the plan's digest under ``ordering="planned"``)."""
+        out: dict[str, Any] = {"ordering": self.config.ordering, "partition_bytes": self.config.partition_bytes,
+                               "credit_bytes": self.config.credit_bytes, "slots": self.slots,
+                               "backend": self.backend.name, "op": self.op, "timeout_s": self.config.timeout_s}
+        if self.plan is not None:
+            out["plan"] = self.plan.digest[:12]
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """What the graph measured of this reducer's steps (one step = one run of one traced
+        reduction): ``steps``, ``bytes_per_step``, ``pieces_per_step``, and over the kept runs
+        ``comm_s``, ``exposed_comm_s``, ``compute_s``, ``effective_bandwidth_bytes_s``,
+        ``overlap_ratio`` (None where nothing was measured). See :mod:`.stats`."""
+        return dict(reduction_stats(self.records), settings=self.settings())
+
+    def report(self, topology: Any = None) -> str:
+        """A short summary of this reducer's steps so far (:meth:`stats` as text, the settings in use);
+        with ``topology`` (a :class:`commsched.costmodel.Topology`, e.g. from ``commsched probe``)
+        also what the network should take for these bytes and the simulator's expected step."""
+        return format_report(self.records, dict(self.settings(), world_size=self._world), topology)
 
     def reduce_grads_and_vars(self, grads_and_vars: Sequence[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
         """:meth:`reduce` for ``(gradient, variable)`` pairs, naming pieces after the variables."""
@@ -239,18 +278,50 @@ class GradientReducer:
         self.plans.append(schedule)
         del self.plans[:-8]
         keys_start = self.backend.reserve(len(schedule.pieces))
+        recorder = self._recorder(schedule, group) if schedule.pieces else None
         pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor(len(flats))]
         last_on_slot: dict[int, tf.Tensor] = {}
+        start = stamp()
+        ready, done = [], []
+        eager = tf.executing_eagerly()
         for k, piece in enumerate(schedule.pieces):
             flat = flats[piece.tensor]
             whole = piece.start == 0 and piece.stop == int(flat.shape.num_elements())
             part = flat if whole else flat[piece.start:piece.stop]
-            result = self.backend.reduce(part, group=group, slot=piece.slot, keys_start=keys_start, index=k,
-                                         name=piece.name, op=self.op, previous=last_on_slot.get(piece.slot))
+            previous = last_on_slot.get(piece.slot)
+            ready.append(stamp(part))
+            try:
+                result = self.backend.reduce(part, group=group, slot=piece.slot, keys_start=keys_start,
+                                             index=k, name=piece.name, op=self.op, previous=previous)
+            except tf.errors.OpError as exc:
+                if not eager:
+                    raise
+                raise failures.piece_error(exc, piece.name, group.rank, self.config.timeout_s) from exc
+            if not eager:
+                failures.register_op(result.op.name, piece.name, group.rank, self.config.timeout_s)
+            done.append(stamp(result))
             last_on_slot[piece.slot] = result
             pieces[piece.tensor][piece.index] = result
+        if recorder is not None:
+            recorder.record(start, ready, done)
         self._record(schedule, group)
         return pieces
+
+    def _recorder(self, schedule: Plan, group: ReplicaGroup) -> Recorder:
+        """The recorder of this plan: one per distinct plan (an eager step, a retrace or an unrolled
+        step with the same plan share it, so eager training does not make one per step)."""
+        key = (tuple(schedule.order), tuple(p.slot for p in schedule.pieces), group.size)
+        for record in self.records:
+            if record.key == key:
+                return record.recorder
+        record = TraceRecord(schedule, Recorder([p.slot for p in schedule.pieces]),
+                             dict(self.settings(), world_size=group.size), key)
+        self.records.append(record)
+        del self.records[:-8]
+        with _records_lock:
+            _records.append(record)
+            del _records[:-64]
+        return record.recorder
 
     def _agree(self, grads: list[Any], names: list[str], todo: list[int], absent: list[str],
                group: ReplicaGroup) -> CommPlan:
@@ -320,6 +391,16 @@ class GradientReducer:
             timeline.write()
         except OSError as exc:
             log.warning("could not write the commsched timeline to %s: %s", timeline.path, exc)
+
+
+def process_report(topology: Any = None) -> str:
+    """:meth:`GradientReducer.report` over every reduction this process traced (the newest 64),
+    whichever optimizer or tape made it: a tape's reducer is gone after its trace, its
+    measurements are not. Settings are those of the newest trace."""
+    with _records_lock:
+        records = list(_records)
+    settings = records[-1].settings if records else {}
+    return format_report(records, settings, topology)
 
 
 def planned_tensor(name: str, tensor: Any) -> PlannedTensor:

@@ -149,6 +149,12 @@ def _tape_class(base: type) -> type:
         """Refuse further ``gradient()`` calls (:class:`commsched.SchedulerClosed`). Idempotent."""
         self.commsched.close()
 
+    def report(self: Any, topology: Any = None) -> str:
+        """This tape's reductions so far (see ``GradientReducer.report``); a tape made inside a
+        traced step lives as long as its trace: ``commsched.plugins.tensorflow.report()`` covers
+        every reduction of the process."""
+        return self.commsched.report(topology)
+
     # declared here: sparse_as_dense (Horovod's argument) says whether IndexedSlices become dense
     return type(base.__name__, (base,), {"__module__": __name__, "__doc__": __doc__, "gradient": gradient,
-                                         "close": close, "sparse_as_dense": False})
+                                         "close": close, "report": report, "sparse_as_dense": False})

@@ -1,0 +1,135 @@
+"""``report()`` / ``stats()`` of the TensorFlow plugin, from the stamps the graph writes.
+
+Collectives with a group of one run locally, so the measured pieces are real
+``CollectiveReduceV2`` runs; the 2-worker numbers are checked in test_multiworker.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import commsched  # noqa: E402
+from commsched.costmodel.topology import Topology  # noqa: E402
+from commsched.plugins.tensorflow import report as process_report  # noqa: E402
+from commsched.plugins.tensorflow.backends import ReplicaGroup  # noqa: E402
+from commsched.plugins.tensorflow.measure import Recorder  # noqa: E402
+from commsched.plugins.tensorflow.reduction import GradientReducer  # noqa: E402
+from commsched.plugins.tensorflow.stats import inferred_profile  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = commsched.SchedulerConfig(partition_bytes=64, credit_bytes=192, timeout_s=30)
+SHAPES = [(10, 4), (4,), (4, 3), (3,)]  # 160 + 16 + 48 + 12 bytes of float32
+
+
+def _values():
+    return [tf.random.stateless_normal(shape, seed=[1, i]) for i, shape in enumerate(SHAPES)]
+
+
+def _compiled(reducer):
+    group = ReplicaGroup(1, 0, "/device:CPU:0")
+
+    @tf.function
+    def step(*vs):
+        return reducer._reduce_dense(list(vs), [f"v{i}" for i in range(len(vs))], group)
+
+    return step
+
+
+def test_stats_count_every_run_and_measure_all_but_the_warm_up_run():
+    reducer = GradientReducer(CONFIG)
+    step, values = _compiled(reducer), _values()
+    for _ in range(6):
+        out = step(*values)
+    for a, b in zip(out, values, strict=True):  # the stamps never touch the data
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    stats = reducer.stats()
+    assert stats["steps"] == 6 and stats["measured_steps"] == 5 and stats["traces"] == 1
+    assert stats["bytes_per_step"] == 4 * (40 + 4 + 12 + 3)
+    assert stats["pieces_per_step"] == len(reducer.plans[-1].pieces) == 6
+    # after the last gradient, some piece is in flight until the last one lands
+    assert 0 < stats["comm_s"] < 5 and 0 <= stats["exposed_comm_s"] <= stats["comm_s"] + 1e-6
+    assert stats["effective_bandwidth_bytes_s"] > 0 and 0 <= stats["overlap_ratio"] <= 1
+    assert stats["settings"]["slots"] == 3 and stats["settings"]["ordering"] == CONFIG.ordering
+
+
+def test_each_run_lands_the_pieces_of_a_chain_in_plan_order_after_their_data():
+    reducer = GradientReducer(CONFIG)
+    step, values = _compiled(reducer), _values()
+    for _ in range(4):
+        step(*values)
+    record = reducer.records[-1]
+    slots = [p.slot for p in record.plan.pieces]
+    for run in record.recorder.runs():
+        assert np.all(run.done >= run.ready) and np.all(run.issue >= run.ready)
+        for slot in set(slots):
+            chain = [k for k, s in enumerate(slots) if s == slot]
+            assert list(np.argsort(run.done[chain], kind="stable")) == list(range(len(chain)))
+            for before, after in zip(chain, chain[1:], strict=False):
+                assert run.issue[after] >= run.done[before]  # a chain's piece waits for the one before
+
+
+def _process_steps() -> int:
+    return int(re.search(r"after (\d+) steps", process_report()).group(1))
+
+
+def test_report_says_what_it_measured_and_what_it_did_not():
+    before = _process_steps()
+    reducer = GradientReducer(CONFIG)
+    assert "nothing reduced yet" in reducer.report()
+    step, values = _compiled(reducer), _values()
+    step(*values)
+    text = reducer.report()
+    assert "after 1 steps" in text and "0.24 kB in 6 pieces" in text
+    assert "times: not measured yet" in text  # only the warm-up run so far: no zeros printed
+    for _ in range(3):
+        step(*values)
+    text = reducer.report()
+    assert "measured in the graph over 3 step(s)" in text and "effective bandwidth" in text
+    assert "not measured: how much of that exposed time the next forward hides under unroll" in text
+    assert "partition_bytes=64" in text and "credit_bytes=192" in text and "slots=3" in text
+    assert "pass topology=" in text
+    assert _process_steps() == before + 4  # the process-wide report counts this reducer's steps too
+
+
+def test_with_a_topology_the_report_adds_the_networks_time_and_the_simulators_step():
+    reducer = GradientReducer(CONFIG)
+    step, values = _compiled(reducer), _values()
+    for _ in range(3):
+        step(*values)
+    topology = Topology.emulated(2, None, "1gbit")
+    text = reducer.report(topology)
+    assert "the network should take" in text and "the simulator (dynamic" in text
+    record = reducer.records[-1]
+    profile = inferred_profile(record, record.recorder.runs()[-1])
+    assert [t.name for layer in profile.layers for t in layer.tensors] == ["v0", "v1", "v2", "v3"]
+    assert sum(t.nbytes for layer in profile.layers for t in layer.tensors) == 4 * (40 + 4 + 12 + 3)
+
+
+def test_eager_steps_share_one_recorder_per_plan():
+    reducer = GradientReducer(CONFIG)
+    group, values = ReplicaGroup(1, 0, "/device:CPU:0"), _values()
+    for _ in range(3):
+        reducer._reduce_dense(values, [f"v{i}" for i in range(len(values))], group)
+    assert len(reducer.records) == 1 and reducer.records[-1].recorder.count == 3
+
+
+def test_the_ring_keeps_the_newest_runs():
+    recorder = Recorder([0, 1], capacity=3)
+
+    @tf.function
+    def run(t):
+        recorder.record(t, [t + 1.0, t + 2.0], [t + 3.0, t + 4.0])
+
+    for k in range(5):
+        run(tf.constant(float(10 * k), tf.float64))
+    assert recorder.count == 5
+    assert [r.start for r in recorder.runs()] == [20.0, 30.0, 40.0]
+    assert recorder.runs()[-1].issue.tolist() == [41.0, 42.0]
+    with pytest.raises(ValueError, match="n >= 1"):
+        Recorder([])
