@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import random
@@ -297,6 +298,9 @@ def worker_mxnet(w: Worker) -> None:
 
 
 def worker_main(args: argparse.Namespace) -> None:
+    # a rank still running this long after the kill is hung: its Python stacks go to its log
+    # (every thread's, again each period) so an unclean record says where it waits
+    faulthandler.dump_traceback_later(args.timeout_s + SLACK_S + 15, repeat=True)
     plan = json.loads(args.plan)
     rank = int(os.environ.get("RANK", os.environ.get("COMMSCHED_FAULT_RANK", "0")))
     w = Worker(Path(args.out), plan, rank, args.timeout_s)

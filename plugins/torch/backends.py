@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import pickle
 import sys
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from commsched.errors import CommschedError, HorovodUnavailable
+from commsched.errors import CommschedError, CommschedTimeout, CommunicationError, HorovodUnavailable
 from commsched.plugins.torch.cuda import CudaTask, DeviceStreams
 from commsched.plugins.torch.hierarchical import HierarchicalAllReduce
 
@@ -322,13 +323,26 @@ def _import_horovod() -> Any:
 class HorovodBackend:
     """Pieces as ``hvd.allreduce_async_`` sums; a named waiter thread reports completions.
 
-    The waiter thread is non-daemon and stops in :meth:`close` (which the scheduler
-    calls, also at interpreter exit for a scheduler nobody closed); close waits at
-    most ``timeout_s`` (the config's) for handles still in flight, since a dead
-    peer's may never complete.
+    Nothing here ever blocks in Horovod without a bound. Horovod offers no wait with a
+    timeout (``hvd.synchronize`` waits for ever), and a handle can stay incomplete for
+    ever: when a peer dies, Horovod's background loop stops and fails the operations in
+    its queue, but one enqueued while it stops is never completed (the enqueue checks
+    for shutdown before adding to the queue, the loop drains the queue in between). So:
+
+    * the waiter thread (``commsched-horovod-r<rank>``, non-daemon) polls every handle in
+      flight (``hvd.poll``, back-off 50 us to 1 ms) and calls ``hvd.synchronize`` only on
+      one that is done. Once Horovod failed a handle, the engine is gone: any handle still
+      incomplete ``LOST_GRACE_S`` later fails with a :class:`CommunicationError`. At
+      :meth:`close`, handles still incomplete after ``timeout_s`` fail the same way and the
+      thread ends, so the process can exit;
+    * :meth:`broadcast`, :meth:`broadcast_object` and :meth:`all_gather_object` (the user's
+      thread: the initial broadcast, plan agreement, agreed switches) issue asynchronous
+      operations and wait at most ``timeout_s`` for each (:class:`CommschedTimeout`).
     """
 
     negotiates_order = True
+    #: seconds a handle may stay incomplete after Horovod failed another one
+    LOST_GRACE_S = 1.0
 
     def __init__(self, timeout_s: float = 30.0) -> None:
         self.timeout_s = float(timeout_s)
@@ -338,10 +352,12 @@ class HorovodBackend:
         self._hvd = hvd
         self.rank = hvd.rank()
         self.world_size = hvd.size()
-        self._handles: collections.deque = collections.deque()
+        self._handles: list[tuple[Any, Callable[[Optional[BaseException]], None], str]] = []
         self._cv = threading.Condition()
         self._closing = False
-        self._broadcasts = 0
+        self._close_deadline = 0.0
+        self._broken: Optional[tuple[float, BaseException]] = None  # (when, Horovod's first error)
+        self._collectives = 0  # object/tensor broadcasts and gathers so far (the same on every rank)
         self._thread = threading.Thread(target=self._wait_loop, name=f"commsched-horovod-r{self.rank}", daemon=False)
         self._thread.start()
 
@@ -349,52 +365,142 @@ class HorovodBackend:
         if not self._hvd.is_initialized():
             raise CommschedError("Horovod was shut down while commsched still had pieces to reduce; call "
                                  "opt.synchronize() and opt.close() before hvd.shutdown()")
-        handle = self._hvd.allreduce_async_(piece.view, name=f"commsched.{piece.name}", op=self._hvd.Sum)
+        name = f"commsched.{piece.name}"
+        handle = self._hvd.allreduce_async_(piece.view, name=name, op=self._hvd.Sum)
         with self._cv:
             if self._closing:
                 raise CommschedError("this Horovod backend is closed; create a new DistributedOptimizer")
-            self._handles.append((handle, done))
+            self._handles.append((handle, done, name))
             self._cv.notify()
 
     def _wait_loop(self) -> None:
+        delay = _POLL_MIN_S
         while True:
             with self._cv:
                 while not self._handles and not self._closing:
                     self._cv.wait()
                 if not self._handles:
                     return
-                handle, done = self._handles.popleft()
-            try:
-                self._hvd.synchronize(handle)
-            except BaseException as exc:  # Horovod reports a dead peer or shutdown here
-                done(exc)
-            else:
-                done(None)
+                batch = list(self._handles)
+            finished = []
+            for entry in batch:
+                try:
+                    if not self._hvd.poll(entry[0]):
+                        continue
+                    self._hvd.synchronize(entry[0])  # done: returns at once (or raises Horovod's error)
+                except BaseException as exc:  # Horovod reports a dead peer or its shutdown here
+                    with self._cv:
+                        if self._broken is None:
+                            self._broken = (time.monotonic(), exc)
+                    finished.append((entry, exc))
+                else:
+                    finished.append((entry, None))
+            lost = self._lost_handles(finished)
+            for (_, done, _), error in finished + lost:
+                done(error)
+            if finished or lost:
+                delay = _POLL_MIN_S
+                continue
+            with self._cv:
+                if len(self._handles) == len(batch):  # nothing new arrived: back off
+                    self._cv.wait(delay)
+                    delay = min(delay * 2, _POLL_MAX_S)
+                else:
+                    delay = _POLL_MIN_S
+
+    def _lost_handles(self, finished: list) -> list:
+        """Take ``finished`` out of the handles in flight, and with them those that will never
+        complete (Horovod broke ``LOST_GRACE_S`` ago, or close's ``timeout_s`` passed), each
+        paired with the error its ``done`` gets."""
+        now = time.monotonic()
+        with self._cv:
+            gone = {id(entry) for entry, _ in finished}
+            self._handles = [e for e in self._handles if id(e) not in gone]
+            why = None
+            if self._broken is not None and now >= self._broken[0] + min(self.LOST_GRACE_S, self.timeout_s):
+                why = (f"Horovod stopped ({type(self._broken[1]).__name__}: {self._broken[1]}) and never completed "
+                       "this piece; a peer rank has probably died", self._broken[1])
+            elif self._closing and now >= self._close_deadline:
+                why = (f"Horovod did not complete this piece within {self.timeout_s:g} s of close(); a peer rank may "
+                       "have died mid-collective", None)
+            if why is None or not self._handles:
+                return []
+            lost, self._handles = self._handles, []
+        out = []
+        for entry in lost:
+            error = CommunicationError(f"{entry[2]}: {why[0]}", tensor=entry[2])
+            error.__cause__ = why[1]
+            out.append((entry, error))
+        return out
+
+    def _finish(self, handle: Any, what: str) -> Any:
+        """The result of ``handle`` (an asynchronous Horovod operation the user's thread issued),
+        waiting at most ``timeout_s``; ``CommschedTimeout`` naming ``what`` otherwise."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = _POLL_MIN_S
+        while not self._hvd.poll(handle):
+            if time.monotonic() >= deadline:
+                raise CommschedTimeout(f"Horovod {what} (is every rank alive and at the same call?)", self.timeout_s)
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        try:
+            return self._hvd.synchronize(handle)
+        except CommschedError:
+            raise
+        except Exception as exc:
+            raise CommunicationError(f"Horovod {what} failed ({type(exc).__name__}: {exc}); a peer rank has "
+                                     "probably died") from exc
+
+    def _next_name(self, kind: str) -> str:
+        self._collectives += 1
+        return f"commsched.{kind}.{self._collectives}"
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        """Overwrite ``tensor`` with rank ``root``'s, in place (``hvd.broadcast_``)."""
-        self._hvd.broadcast_(tensor, root, name=f"commsched.broadcast.{self._broadcasts}")
-        self._broadcasts += 1
+        """Overwrite ``tensor`` with rank ``root``'s, in place (``hvd.broadcast_async_``), within ``timeout_s``."""
+        name = self._next_name("broadcast")
+        self._finish(self._hvd.broadcast_async_(tensor, root, name=name), f"broadcast {name}")
 
     def all_gather_object(self, obj: Any) -> list:
-        """Every rank's ``obj`` (picklable), in rank order (``hvd.allgather_object``)."""
-        return self._hvd.allgather_object(obj, name="commsched.all_gather_object")
+        """Every rank's ``obj`` (picklable), in rank order; each of its two all-gathers within ``timeout_s``."""
+        name = self._next_name("all_gather_object")
+        data = _pickled(obj)
+        sizes = self._finish(self._hvd.allgather_async(torch.tensor([data.numel()], dtype=torch.int64),
+                                                       name=name + ".sizes"), f"all-gather {name}")
+        joined = self._finish(self._hvd.allgather_async(data, name=name + ".data"), f"all-gather {name}")
+        return [_unpickled(part) for part in torch.split(joined, [int(n) for n in sizes.tolist()])]
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
-        """Rank ``root``'s ``obj`` (picklable), on every rank."""
-        # An explicit name: Horovod's default is the object's type name, which differs
-        # between the root (a dict) and the others (None) and deadlocks.
-        return self._hvd.broadcast_object(obj, root, name="commsched.broadcast_object")
+        """Rank ``root``'s ``obj`` (picklable), on every rank; each of its two broadcasts within ``timeout_s``."""
+        # Explicit names, the same on every rank: Horovod matches operations by name.
+        name = self._next_name("broadcast_object")
+        data = _pickled(obj) if self.rank == root else None
+        size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
+        self._finish(self._hvd.broadcast_async_(size, root, name=name + ".size"), f"broadcast {name}")
+        if data is None:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._finish(self._hvd.broadcast_async_(data, root, name=name + ".data"), f"broadcast {name}")
+        return _unpickled(data)
 
     def close(self) -> None:
-        """Stop the waiter thread once every handle it holds has completed. Idempotent."""
+        """Stop the waiter thread once every handle it holds completed, or failed after ``timeout_s``
+        (a peer's death can leave one incomplete for ever). Idempotent."""
         with self._cv:
-            self._closing = True
+            if not self._closing:
+                self._closing = True
+                self._close_deadline = time.monotonic() + self.timeout_s
             self._cv.notify()
-        self._thread.join(timeout=self.timeout_s)
+        self._thread.join(timeout=self.timeout_s + 1.0)
         if self._thread.is_alive():
-            raise CommschedError(f"Horovod did not complete the pieces in flight within {self.timeout_s:.0f} s of "
-                                 f"close(); the waiter thread {self._thread.name} is still blocked in Horovod")
+            raise CommschedError(f"the Horovod waiter thread {self._thread.name} did not stop within "
+                                 f"{self.timeout_s + 1.0:.0f} s of close()")
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
 
 
 def horovod_initialized() -> bool:
