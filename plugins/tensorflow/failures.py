@@ -90,7 +90,7 @@ def piece_error(exc: tf.errors.OpError, piece: str, rank: int, timeout_s: float,
             f"worker {rank}: the all-reduce of {where}", timeout_s, pending=[piece])
     else:
         error = CommunicationError(
-            f"reducing tensor {tensor!r} ({where}) failed on worker {rank}: another worker is gone or unreachable "
+            f"reducing {where} failed on worker {rank}: another worker is gone or unreachable "
             f"({type(exc).__name__}: {first}). TensorFlow's collective executor is aborted now: restart the job",
             tensor=tensor, piece=index)
     error.__cause__ = exc

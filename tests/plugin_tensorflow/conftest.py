@@ -114,6 +114,12 @@ def tf_job():
 
 
 @pytest.fixture(scope="session")
+def tf_launch():
+    """:func:`launch`: start TF_CONFIG workers with any argv, for tests that read what each wrote."""
+    return launch
+
+
+@pytest.fixture(scope="session")
 def tf_worker_env():
     """:func:`worker_env`: the environment for a TensorFlow worker process."""
     return worker_env

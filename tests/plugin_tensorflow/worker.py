@@ -11,7 +11,10 @@ Scenarios:
   gradient tape, two compiled functions plus a retrace, and the graph structure;
 * ``tf_keras``: tf-keras ``model.fit`` (run with TF_USE_LEGACY_KERAS=1) and a tf-keras
   custom loop;
-* ``die``: rank 1 leaves after one step; rank 0 must fail with a clear error;
+* ``die``: rank 1 leaves after one step; rank 0 must fail with a commsched error;
+* ``kill``: the victim (``COMMSCHED_TEST_VICTIM``, default 1) SIGKILLs itself from a timer a
+  fraction into its third step (``COMMSCHED_TEST_FRACTION``); the survivor must fail with a
+  commsched error;
 * ``planned``: ``ordering="planned"`` with a plan made from the model's variables (per-group
   piece sizes, a fused group, its own order, one piece "hierarchical"), against stock; then a
   plan for another model, and a plan that differs on rank 1 (both must fail on both workers).
@@ -38,7 +41,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
 import commsched  # noqa: E402
-from commsched.plugins.tensorflow import DistributedGradientTape, DistributedOptimizer, unroll  # noqa: E402
+from commsched.plugins.tensorflow import DistributedGradientTape, DistributedOptimizer, function, unroll  # noqa: E402
 from commsched.plugins.tensorflow import keys  # noqa: E402
 from commsched.timeline import rank_path  # noqa: E402
 
@@ -66,11 +69,28 @@ def make_model(keras):
     return model
 
 
-def same_weights(a, b) -> dict:
+def same_weights(a, b, init) -> dict:
+    """Whether ``b`` (commsched) ended bitwise equal to ``a`` (stock), and how far training moved
+    each from the initial weights ``init`` (0 would mean nothing was trained)."""
     wa, wb = a.get_weights(), b.get_weights()
     return {"bitwise": all(np.array_equal(x, y) for x, y in zip(wa, wb, strict=True)),
             "max_abs_diff": float(max(np.max(np.abs(x - y)) for x, y in zip(wa, wb, strict=True))),
-            "moved": float(max(np.max(np.abs(x)) for x in wa))}
+            "moved": float(max(np.max(np.abs(x - w0)) for x, w0 in zip(wb, init, strict=True))),
+            "ref_moved": float(max(np.max(np.abs(x - w0)) for x, w0 in zip(wa, init, strict=True))),
+            "every_variable_moved": all(bool(np.any(x != w0)) for x, w0 in zip(wb, init, strict=True))}
+
+
+def error_record(exc: BaseException) -> dict:
+    """What the survivor of a lost worker saw: the class, commsched's or not, and the chained TF error."""
+    cause = exc.__cause__
+    return {"error": f"{type(exc).__name__}: {str(exc)[:500]}", "type": type(exc).__name__,
+            "is_commsched": isinstance(exc, commsched.CommschedError),
+            "is_communication_error": isinstance(exc, commsched.CommunicationError),
+            "is_timeout": isinstance(exc, commsched.CommschedTimeout),
+            "cause_type": None if cause is None else type(cause).__name__,
+            "cause_is_tf": isinstance(cause, tf.errors.OpError),
+            "tensor": getattr(exc, "tensor", None), "piece": getattr(exc, "piece", None),
+            "pending": list(getattr(exc, "pending", []) or [])}
 
 
 def custom_loop(strategy, keras, make_opt, wrap: bool, steps=STEPS, unrolled: int = 0, init=None, config=CONFIG):
@@ -180,14 +200,21 @@ def scenario_keras3() -> None:
         refs[name] = ref
         ours, opt, step = custom_loop(strategy, keras, make_opt, wrap=True, init=init,
                                       config=timeline if name == "adam" else CONFIG)
-        result[name] = same_weights(ref, ours)
+        result[name] = same_weights(ref, ours, init)
         result[name]["iterations"] = int(opt.iterations.numpy())
         result[name]["ref_iterations"] = int(ref_opt.iterations.numpy())
         if name == "adam":
             plan = opt.commsched.plans[-1]
             result["graph"] = graph_structure(step, plan, *data(0))
             result["plan_order"] = plan.order
+            result["plan_slots"] = [p.slot for p in plan.pieces]
             result["slots"] = opt.commsched.slots
+            record = opt.commsched.records[-1]
+            result["measured"] = {"count": record.recorder.count, "order": list(record.plan.order),
+                                  "runs": [{"start": r.start, "ready": r.ready.tolist(), "done": r.done.tolist()}
+                                           for r in record.recorder.runs()]}
+            result["report"] = opt.report()
+            result["stats"] = opt.commsched.stats()
             result["timeline"] = rank_path(timeline.timeline, RANK, WORLD)
     result["custom_loop_s"] = time.time() - t0
 
@@ -195,7 +222,7 @@ def scenario_keras3() -> None:
     t0 = time.time()
     make_adam = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
     ours, opt, _ = custom_loop(strategy, keras, make_adam, wrap=True, unrolled=2, init=init)
-    result["unroll"] = same_weights(refs["adam"], ours)
+    result["unroll"] = same_weights(refs["adam"], ours, init)
     result["unroll"]["iterations"] = int(opt.iterations.numpy())
     result["unroll_s"] = time.time() - t0
 
@@ -238,10 +265,10 @@ def scenario_keras3() -> None:
         drawn.append(keys.counter_value())
     # Reference: the stock loop on the same data (its loss is divided by the global batch and
     # summed, which is the mean of the workers' mean gradients).
-    result["tape"] = same_weights(refs["sgd_momentum"], tape_model)
+    result["tape"] = same_weights(refs["sgd_momentum"], tape_model, init)
     result["tape"]["iterations"] = int(tape_opt.iterations.numpy())
     ref_hand = custom_loop(strategy, keras, lambda: keras.optimizers.SGD(0.1), wrap=False, init=init)[0]
-    result["hand"] = same_weights(ref_hand, hand_model)
+    result["hand"] = same_weights(ref_hand, hand_model, init)
     # A retrace (another batch size) of a function that was already called, then the other one again.
     x, y = data(STEPS)
     run_tape(x[:4], y[:4])
@@ -279,22 +306,23 @@ def scenario_tf_keras() -> None:
             ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(GLOBAL_BATCH)
             model.fit(ds, epochs=1, steps_per_epoch=STEPS, verbose=0)
             models.append((model, opt))
-        result[name] = same_weights(models[0][0], models[1][0])
+        result[name] = same_weights(models[0][0], models[1][0], init)
         result[name]["iterations"] = int(models[1][1].iterations.numpy())
         result[name]["traces"] = len(models[1][1].commsched.plans)
     result["fit_s"] = time.time() - t0
     # tf-keras custom loop with the same wrapper.
     ref, _, _ = custom_loop(strategy, tf_keras, lambda: tf_keras.optimizers.Adam(1e-2), wrap=False, init=init)
     ours, opt, _ = custom_loop(strategy, tf_keras, lambda: tf_keras.optimizers.Adam(1e-2), wrap=True, init=init)
-    result["custom_loop"] = same_weights(ref, ours)
+    result["custom_loop"] = same_weights(ref, ours, init)
     result["custom_loop"]["iterations"] = int(opt.iterations.numpy())
 
 
-def scenario_die() -> None:
+def _lost_worker_job(timeout_s: float):
+    """A model, a DistributedOptimizer and a step compiled with commsched's ``function``."""
     import keras
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=10)
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=timeout_s)
     with strategy.scope():
         model = make_model(keras)
         opt = DistributedOptimizer(keras.optimizers.SGD(0.1), config=config)
@@ -306,7 +334,11 @@ def scenario_die() -> None:
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
 
-    step = tf.function(lambda x, y: strategy.run(train_step, args=(x, y)))
+    return function(lambda x, y: strategy.run(train_step, args=(x, y)))
+
+
+def scenario_die() -> None:
+    step = _lost_worker_job(timeout_s=10)
     step(*data(0))
     if RANK == 1:
         result["left"] = True
@@ -319,14 +351,43 @@ def scenario_die() -> None:
                 time.sleep(0.2)
         os._exit(0)  # a worker dies: no goodbye to the others
     t0 = time.time()
+    result["error"] = None
     try:
         for s in range(1, 4):
             step(*data(s))
             time.sleep(0.5)  # let rank 1 be gone
-        result["error"] = None
     except Exception as exc:  # what the survivor sees
-        result["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        result.update(error_record(exc))
     result["fail_after_s"] = time.time() - t0
+
+
+def scenario_kill() -> None:
+    import signal
+    import threading
+
+    victim = int(os.environ.get("COMMSCHED_TEST_VICTIM", "1"))
+    fraction = float(os.environ.get("COMMSCHED_TEST_FRACTION", "0.5"))
+    step = _lost_worker_job(timeout_s=5)
+    step_s = 0.05
+    result["error"] = None
+    try:
+        for s in range(8):
+            if s == 3 and RANK == victim:
+                def kill(delay: float = fraction * step_s) -> None:
+                    time.sleep(delay)
+                    with open(OUT + ".killed", "w") as fh:
+                        fh.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                threading.Thread(target=kill, name="test-kill-timer", daemon=True).start()
+            t0 = time.monotonic()
+            step(*data(s))
+            if s >= 1:
+                step_s = time.monotonic() - t0
+            if s == 3 and RANK == victim:
+                time.sleep(10)  # the timer fires within this step's time in any case
+    except Exception as exc:
+        result.update(error_record(exc))
+    result["time"] = time.time()
 
 
 def make_test_plan(model, *, order=None, shape_change=False):
@@ -372,7 +433,7 @@ def scenario_planned() -> None:
 
     t0 = time.time()
     ours, opt, step = custom_loop(strategy, keras, make_opt, wrap=True, init=init, config=planned)
-    result["planned"] = same_weights(ref, ours)
+    result["planned"] = same_weights(ref, ours, init)
     result["planned"]["iterations"] = int(opt.iterations.numpy())
     result["planned"]["plan_order"] = list(plans[-1].piece_names)
     result["planned"]["graph_order"] = opt.commsched.plans[-1].order
@@ -413,7 +474,7 @@ def write() -> None:
 
 if __name__ == "__main__":
     try:
-        {"keras3": scenario_keras3, "tf_keras": scenario_tf_keras, "die": scenario_die,
+        {"keras3": scenario_keras3, "tf_keras": scenario_tf_keras, "die": scenario_die, "kill": scenario_kill,
          "planned": scenario_planned}[SCENARIO]()
     except BaseException:
         result["crash"] = traceback.format_exc()
