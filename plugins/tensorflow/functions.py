@@ -65,6 +65,8 @@ class CompiledStep:
         return self if instance is None else CompiledStep(self._compiled.__get__(instance, owner))
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_compiled":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self._compiled, name)
 
 

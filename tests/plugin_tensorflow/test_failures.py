@@ -82,6 +82,15 @@ def test_function_is_tf_function_with_its_arguments_and_refuses_a_double_compile
 
     assert double(tf.constant(3.0)).numpy() == 6.0
     assert function(double) is double
+
+    class Model:
+        scale = 3.0
+
+        @function
+        def step(self, x):
+            return self.scale * x
+
+    assert Model().step(tf.constant(2.0)).numpy() == 6.0  # as a method decorator, bound to the instance
     with pytest.raises(ValueError, match="already a tf.function"):
         function(tf.function(lambda x: x), jit_compile=True)
     with pytest.raises(TypeError, match="callable"):
