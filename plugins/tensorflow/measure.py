@@ -9,8 +9,9 @@ run. The graph stamps them itself: for every piece of one traced reduction it re
 plus ``start``, when the step's function began (a stamp with no input). A piece's
 ``issue`` time follows from them: its collective can start once its data exists and
 the previous collective on its ordering chain has finished, ``max(ready, done of the
-previous piece on the slot)``. The stamps observe the graph and never order it: no
-collective waits for one, so the chains are the tokens' alone. The stamps
+previous piece on the slot)``. The stamps never order pieces: a collective waits only
+for the stamp of its own data (taken once that data exists, so ``ready <= issue``
+holds exactly), never for another piece's, so the chains are the tokens' alone. The stamps
 (``tf.timestamp``, seconds since the epoch, microsecond resolution) of the last
 :data:`CAPACITY` runs are kept in a ring buffer on this worker's CPU, with a count of
 runs; :meth:`Recorder.runs` reads them.
@@ -144,6 +145,14 @@ class Recorder:
             count = tf.raw_ops.ReadVariableOp(resource=self._count, dtype=tf.int64)
             tf.raw_ops.ResourceScatterUpdate(resource=self._rows, indices=tf.reshape((count - 1) % self.capacity, [1]),
                                              updates=row[None, :])
+
+    def count_only(self) -> None:
+        """Count this run without stamps (``measure=False``): bytes and pieces per step stay known."""
+        with tf.device("CPU:0"), tf.name_scope("commsched_stamps"):
+            tf.raw_ops.AssignAddVariableOp(resource=self._count, value=tf.constant(1, tf.int64))
+        self.unmeasured = True
+
+    unmeasured = False  #: runs were counted without stamps (their ring rows are empty)
 
     @property
     def count(self) -> int:

@@ -44,7 +44,7 @@ _classes: dict[type, type] = {}
 
 
 def DistributedOptimizer(optimizer: Any, config: SchedulerConfig | None = None, *,  # noqa: N802 (Horovod's name)
-                         backend: str = "collective") -> Any:
+                         backend: str = "collective", measure: bool = True) -> Any:
     """Wrap a Keras optimizer so that commsched schedules its gradient all-reduce.
 
     Args:
@@ -54,6 +54,8 @@ def DistributedOptimizer(optimizer: Any, config: SchedulerConfig | None = None, 
         config: partition, credit and ordering (default: ``SchedulerConfig()``, i.e.
             from ``COMMSCHED_*`` or the defaults). Must be the same on every worker.
         backend: ``"collective"`` (TF collective ops, default) or ``"horovod"``.
+        measure: the graph stamps each piece's times for ``report()`` (default); False
+            writes no stamps (steps, bytes and pieces are still counted).
 
     Returns an optimizer of a subclass of ``type(optimizer)``, with the same
     configuration, that sums gradients across workers with commsched. It is a
@@ -67,7 +69,7 @@ def DistributedOptimizer(optimizer: Any, config: SchedulerConfig | None = None, 
         raise ValueError(
             "DistributedOptimizer needs a fresh optimizer: this one already has state (it has been used or "
             "built). Wrap it before the first step, e.g. DistributedOptimizer(tf.keras.optimizers.Adam(1e-3))")
-    reducer = GradientReducer(config, backend=backend, op="sum")
+    reducer = GradientReducer(config, backend=backend, op="sum", measure=measure)
     cls = _distributed_class(type(optimizer), family)
     wrapped = cls.from_config(optimizer.get_config())
     wrapped.commsched = reducer

@@ -114,13 +114,19 @@ class GradientReducer:
         backend: ``"collective"`` (TF collective ops) or ``"horovod"``.
         op: ``"sum"`` or ``"mean"`` across replicas.
 
+        measure: stamp each piece's times in the graph for :meth:`report` (default; a few tens of
+            microseconds per piece); False counts steps, bytes and pieces only.
+
     ``plans`` keeps the plan of every trace (the newest last), for inspection.
     After :meth:`close`, :meth:`reduce` raises :class:`commsched.SchedulerClosed`
     (a ``tf.function`` traced before keeps the reduction ops it already holds).
     """
 
-    def __init__(self, config: SchedulerConfig | None = None, backend: str = "collective", op: str = "sum") -> None:
+    def __init__(self, config: SchedulerConfig | None = None, backend: str = "collective", op: str = "sum",
+                 measure: bool = True) -> None:
         check_config(config)
+        if not isinstance(measure, bool):
+            raise TypeError(f"measure must be True or False, got {measure!r}")
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str ('collective' or 'horovod'), got {type(backend).__name__}")
         if op not in OPS:
@@ -128,6 +134,8 @@ class GradientReducer:
         self.config = config if config is not None else SchedulerConfig()
         self.backend = make_backend(backend, self.config.timeout_s)
         self.op = op
+        #: whether the graph stamps its pieces (:mod:`.measure`; False: no stamps, report() times unmeasured)
+        self.measure = measure
         self.slots = slots_for(self.config)
         self.plans: list[Plan] = []
         #: :class:`~commsched.plugins.tensorflow.stats.TraceRecord` of every trace (the newest 8 last):
@@ -209,6 +217,8 @@ class GradientReducer:
         out: dict[str, Any] = {"ordering": self.config.ordering, "partition_bytes": self.config.partition_bytes,
                                "credit_bytes": self.config.credit_bytes, "slots": self.slots,
                                "backend": self.backend.name, "op": self.op, "timeout_s": self.config.timeout_s}
+        if not self.measure:
+            out["measure"] = False
         if self.plan is not None:
             out["plan"] = self.plan.digest[:12]
         return out
@@ -279,9 +289,10 @@ class GradientReducer:
         del self.plans[:-8]
         keys_start = self.backend.reserve(len(schedule.pieces))
         recorder = self._recorder(schedule, group) if schedule.pieces else None
+        timed = self.measure and recorder is not None
         pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor(len(flats))]
         last_on_slot: dict[int, tf.Tensor] = {}
-        start = stamp()
+        start = stamp() if timed else None
         ready, done = [], []
         eager = tf.executing_eagerly()
         for k, piece in enumerate(schedule.pieces):
@@ -289,21 +300,28 @@ class GradientReducer:
             whole = piece.start == 0 and piece.stop == int(flat.shape.num_elements())
             part = flat if whole else flat[piece.start:piece.stop]
             previous = last_on_slot.get(piece.slot)
-            ready.append(stamp(part))
-            try:
-                result = self.backend.reduce(part, group=group, slot=piece.slot, keys_start=keys_start,
-                                             index=k, name=piece.name, op=self.op, previous=previous)
-            except tf.errors.OpError as exc:
-                if not eager:
-                    raise
-                raise failures.piece_error(exc, piece.name, group.rank, self.config.timeout_s) from exc
+            if timed:
+                ready.append(stamp(part))
+            # the collective waits for the stamp of its own data (taken once that data exists, so
+            # no new order between pieces): ready <= issue <= done holds whatever the executor does
+            with tf.control_dependencies(ready[-1:] if timed and not eager else []):
+                try:
+                    result = self.backend.reduce(part, group=group, slot=piece.slot, keys_start=keys_start,
+                                                 index=k, name=piece.name, op=self.op, previous=previous)
+                except tf.errors.OpError as exc:
+                    if not eager:
+                        raise
+                    raise failures.piece_error(exc, piece.name, group.rank, self.config.timeout_s) from exc
             if not eager:
                 failures.register_op(result.op.name, piece.name, group.rank, self.config.timeout_s)
-            done.append(stamp(result))
+            if timed:
+                done.append(stamp(result))
             last_on_slot[piece.slot] = result
             pieces[piece.tensor][piece.index] = result
-        if recorder is not None:
+        if timed:
             recorder.record(start, ready, done)
+        elif recorder is not None:
+            recorder.count_only()
         self._record(schedule, group)
         return pieces
 

@@ -48,6 +48,8 @@ class TraceRecord:
 def _measured(records: Iterable[TraceRecord]) -> list[tuple[TraceRecord, Run]]:
     out = []
     for record in records:
+        if record.recorder.unmeasured:
+            continue
         runs = record.recorder.runs()
         skip_first = record.recorder.count <= record.recorder.capacity  # the warm-up run is still in the ring
         out.extend((record, run) for run in (runs[1:] if skip_first else runs))
@@ -174,6 +176,8 @@ def format_report(records: Iterable[TraceRecord], settings: dict[str, Any], topo
             f"    compute to the last gradient: {fmt(n['compute_s'], '.4f', ' s')} per step",
             "    not measured: how much of that exposed time the next forward hides under unroll (no stamp "
             "marks where the next step's forward waits)"]
+    elif settings.get("measure") is False:
+        lines.append("  times: not measured (measure=False: the graph writes no stamps)")
     else:
         lines.append("  times: not measured yet (only warm-up runs so far; each trace's first run is left out)")
     if topology is None:

@@ -69,7 +69,8 @@ def DistributedGradientTape(tape: tf.GradientTape, config: SchedulerConfig | Non
                             backend: str = "auto", op: Any = "mean", compression: Any = None,
                             device_dense: str = "", device_sparse: str = "", sparse_as_dense: bool = False,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                            process_set: Any = None, scale_local_gradients: bool = True) -> tf.GradientTape:
+                            process_set: Any = None, scale_local_gradients: bool = True,
+                            measure: bool = True) -> tf.GradientTape:
     """Wrap a ``tf.GradientTape`` after its ``with`` block (as in Horovod).
 
     A drop-in for ``hvd.DistributedGradientTape(tape, compression=...)``: it takes
@@ -91,6 +92,8 @@ def DistributedGradientTape(tape: tf.GradientTape, config: SchedulerConfig | Non
         device_dense, device_sparse, gradient_predivide_factor, num_groups, groups,
             process_set, scale_local_gradients: Horovod's; only their defaults are
             accepted (anything else raises ``ValueError`` naming it).
+        measure: the graph stamps each piece's times for ``report()`` (default); False
+            writes no stamps (steps, bytes and pieces are still counted).
 
     Returns a tape of a subclass of ``type(tape)`` sharing its recorded state.
     ``gradient(target, sources)`` lists ``sources`` in forward-use order for the best
@@ -117,7 +120,7 @@ def DistributedGradientTape(tape: tf.GradientTape, config: SchedulerConfig | Non
                              f"and groups pieces itself); drop {name}=")
     if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
         raise ValueError("process_set: commsched reduces over all workers (the global process set); drop process_set=")
-    reducer = GradientReducer(config, backend=resolve_backend(backend), op=_reduce_op(op))
+    reducer = GradientReducer(config, backend=resolve_backend(backend), op=_reduce_op(op), measure=measure)
     cls = _classes.get(type(tape))
     if cls is None:
         cls = _classes[type(tape)] = _tape_class(type(tape))

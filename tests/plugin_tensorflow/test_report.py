@@ -58,20 +58,23 @@ def test_stats_count_every_run_and_measure_all_but_the_warm_up_run():
     assert stats["settings"]["slots"] == 3 and stats["settings"]["ordering"] == CONFIG.ordering
 
 
-def test_each_run_lands_the_pieces_of_a_chain_in_plan_order_after_their_data():
+def test_each_run_stamps_every_piece_between_its_data_and_its_result():
     reducer = GradientReducer(CONFIG)
     step, values = _compiled(reducer), _values()
     for _ in range(4):
         step(*values)
     record = reducer.records[-1]
     slots = [p.slot for p in record.plan.pieces]
-    for run in record.recorder.runs():
-        assert np.all(run.done >= run.ready) and np.all(run.issue >= run.ready)
+    runs = record.recorder.runs()
+    assert len(runs) == 4 and record.recorder.slots == tuple(slots)
+    for run in runs:
+        assert np.all(run.ready <= run.issue) and np.all(run.issue <= run.done)
         for slot in set(slots):
             chain = [k for k, s in enumerate(slots) if s == slot]
-            assert list(np.argsort(run.done[chain], kind="stable")) == list(range(len(chain)))
             for before, after in zip(chain, chain[1:], strict=False):
-                assert run.issue[after] >= run.done[before]  # a chain's piece waits for the one before
+                assert run.issue[after] >= run.done[before]  # a chain's piece starts after the one before
+    # (that the pieces of a chain *land* in plan order is checked on 2 workers, where a collective
+    # takes milliseconds: a local one is over in microseconds, below the stamps' scheduling jitter)
 
 
 def _process_steps() -> int:
@@ -133,3 +136,18 @@ def test_the_ring_keeps_the_newest_runs():
     assert recorder.runs()[-1].issue.tolist() == [41.0, 42.0]
     with pytest.raises(ValueError, match="n >= 1"):
         Recorder([])
+
+
+def test_measure_false_writes_no_stamps_but_still_counts_steps_bytes_and_pieces():
+    reducer = GradientReducer(CONFIG, measure=False)
+    step, values = _compiled(reducer), _values()
+    for _ in range(3):
+        step(*values)
+    graph = step.get_concrete_function(*values).graph
+    assert not [op for op in graph.get_operations() if op.type in ("Timestamp", "StatefulPartitionedCall")]
+    stats = reducer.stats()
+    assert stats["steps"] == 3 and stats["pieces_per_step"] == 6 and stats["measured_steps"] == 0
+    assert stats["comm_s"] is None and stats["exposed_comm_s"] is None  # None, never a made-up zero
+    assert "times: not measured (measure=False" in reducer.report()
+    with pytest.raises(TypeError, match="measure must be True or False"):
+        GradientReducer(CONFIG, measure="yes")
