@@ -84,13 +84,21 @@ LEAN_APPLY = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.
 # Horovod fuses pieces that are ready in the same cycle; measured on 2 ranks
 # (docs/horovod.md), 1 MiB pieces with a 16 MiB credit did best with fusion on.
 HOROVOD_PARTITION_BYTES = 1 << 20
+# Without model= (no cross-iteration overlap) step() waits for every gradient, so no piece is needed
+# sooner than another and cutting a tensor only adds pieces, each with its own Horovod negotiation and
+# thread hand-offs: in Horovod's synthetic-benchmark shape 1 MiB pieces (10 per step instead of 3) ran
+# behind hvd.DistributedOptimizer (docs/horovod.md). Pieces as large as Horovod fuses at once: only
+# giant tensors (embedding tables) are cut, so priority and credit still apply between them.
+HOROVOD_SYNC_PARTITION_BYTES = 64 << 20
 
 
-def _default_config(backend: str) -> SchedulerConfig:
-    """The config when none is given: the core's defaults (and ``COMMSCHED_*``), except a
-    smaller piece size on Horovod unless ``COMMSCHED_PARTITION_BYTES`` says otherwise."""
+def _default_config(backend: str, cross_iteration: bool = True) -> SchedulerConfig:
+    """The config when none is given: the core's defaults (and ``COMMSCHED_*``), except the piece
+    size on Horovod (``HOROVOD_PARTITION_BYTES``; without the cross-iteration overlap, e.g. no
+    ``model=``, ``HOROVOD_SYNC_PARTITION_BYTES``) unless ``COMMSCHED_PARTITION_BYTES`` says otherwise."""
     if backend == "horovod" and "partition_bytes" not in read_environment():
-        return SchedulerConfig(partition_bytes=HOROVOD_PARTITION_BYTES)
+        return SchedulerConfig(partition_bytes=HOROVOD_PARTITION_BYTES if cross_iteration
+                               else HOROVOD_SYNC_PARTITION_BYTES)
     return SchedulerConfig()
 
 
@@ -414,7 +422,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if backend == "horovod" and process_group is not None:
             raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "
                              "Horovod ranks (leave process_group=None)")
-        config = config if config is not None else _default_config(backend)
+        if config is None:
+            config = _default_config(backend, cross_iteration=model is not None and SchedulerConfig().cross_iteration)
         adaptive = config.ordering == "auto" or (config.ordering == "planned" and config.plan is None)
         if adaptive and model is None:
             raise ValueError(f"ordering={config.ordering!r}" + (" without plan=" if config.ordering == "planned"

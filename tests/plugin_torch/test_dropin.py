@@ -181,6 +181,8 @@ def test_horovod_synthetic_benchmark_one_line_change_matches_hvd(tmp_path):
         # 3 warm-up + 2 x 3 timed steps; hvd.broadcast_optimizer_state's step is not one
         assert result["steps_counted"] == 9
         assert result["state_keys"] == hvd_result["state_keys"] == ["momentum_buffer"]
+        if name == "commsched":  # no model=: whole tensors (the 8 MiB one uncut), at most one piece per parameter
+            assert result["pieces"] <= 8 * result["steps_counted"], result["pieces"]
         torch.testing.assert_close(params, hvd_params, rtol=1e-6, atol=1e-7)
         lines.append({"dist": name, "img_sec_per_worker": round(result["img_sec_per_worker"], 1),
                       "vs_hvd": round(result["img_sec_per_worker"] / hvd_result["img_sec_per_worker"], 3)})
@@ -214,3 +216,15 @@ def test_model_state_dict_holds_every_ended_step_and_load_does_not_apply_it_agai
         with torch.no_grad():
             model(torch.ones(3, 4))  # nothing left to apply
         assert all(torch.equal(p, saved[k]) for k, p in model.state_dict().items())
+
+
+def test_horovod_without_cross_iteration_defaults_to_whole_tensors(monkeypatch):
+    # step() waits for every gradient there, so pieces only add Horovod negotiations (docs/horovod.md)
+    monkeypatch.delenv("COMMSCHED_PARTITION_BYTES", raising=False)
+    sync = optimizer_module._default_config("horovod", cross_iteration=False)
+    assert sync.partition_bytes == optimizer_module.HOROVOD_SYNC_PARTITION_BYTES == 64 << 20
+    assert optimizer_module._default_config("horovod").partition_bytes == optimizer_module.HOROVOD_PARTITION_BYTES
+    assert optimizer_module._default_config("torch", cross_iteration=False).partition_bytes == \
+        commsched.SchedulerConfig().partition_bytes
+    monkeypatch.setenv("COMMSCHED_PARTITION_BYTES", "2MiB")  # the environment still wins
+    assert optimizer_module._default_config("horovod", cross_iteration=False).partition_bytes == 2 << 20
