@@ -445,7 +445,15 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
 
         def gather(mine: dict) -> list[dict]:
             posted = inner(mine)
-            self._store.set(f"{prefix}/read/{rank}", b"1")
+            try:
+                self._store.set(f"{prefix}/read/{rank}", b"1")
+            except ConnectionError:
+                if self._store_server is not None:
+                    raise
+                # This worker has every post, so the outcome is decided. Worker 0 may
+                # close its store (raising what the posts say) as soon as it has this
+                # mark, before the reply to it is sent; a lost reply changes nothing.
+                log.debug("the order store closed after this worker's read mark", exc_info=True)
             if self._store_server is not None:
                 deadline = time.monotonic() + timeout
                 for other in range(world):
