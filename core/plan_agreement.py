@@ -15,6 +15,7 @@ Framework-free: the plugins pass the parameters as :class:`~commsched.plan.Plann
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Callable, Iterable
 
@@ -23,6 +24,8 @@ from commsched.plan import Plan, PlanMismatch, PlannedTensor
 from commsched.store import Store
 
 __all__ = ["agree_on_plan", "check_plan", "plan_summary", "store_gather"]
+
+log = logging.getLogger(__name__)
 
 _SUMMARY_FIELDS = ("digest", "fingerprint", "world", "credit_bytes", "groups", "pieces", "source")
 
@@ -52,18 +55,44 @@ def store_gather(store: Store, prefix: str, rank: int, world_size: int,
                  timeout_s: float) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
     """A ``gather`` for :func:`agree_on_plan` over the rendezvous store: each rank sets
     ``<prefix>/plan/<rank>`` and reads every other rank's, waiting at most ``timeout_s`` in
-    all (:class:`~commsched.errors.CommschedTimeout` names the rank that posted nothing)."""
+    all (:class:`~commsched.errors.CommschedTimeout` names the rank that posted nothing).
+
+    Rank 0 hosts the store (torch's TCPStore master, MXNet's worker 0), and after the gather
+    every rank may raise (a plan mismatch) and exit, which takes the store down with rank
+    0's process. So each rank marks ``<prefix>/plan/read/<rank>`` once it has read every post,
+    and rank 0 returns only when every rank has marked (within the same ``timeout_s``), then
+    deletes the posts and the marks: nothing is cut off mid-read and no key is left."""
+    def key(what: str, r: int) -> str:
+        return f"{prefix}/plan/{what}{r}"
+
     def gather(mine: dict[str, Any]) -> list[dict[str, Any]]:
-        store.set(f"{prefix}/plan/{rank}", json.dumps(mine).encode())
+        store.set(key("", rank), json.dumps(mine).encode())
         deadline = time.monotonic() + timeout_s
         posted = []
         for other in range(world_size):
             try:
-                raw = store.get(f"{prefix}/plan/{other}", max(0.001, deadline - time.monotonic()))
+                raw = store.get(key("", other), max(0.001, deadline - time.monotonic()))
             except TimeoutError:
                 raise CommschedTimeout(f"rank {rank} waiting for rank {other} to check its plan (does every rank "
                                        "run ordering='planned' with a plan, and is it alive?)", timeout_s) from None
             posted.append(json.loads(raw.decode()))
+        if rank != 0:
+            try:
+                store.set(key("read/", rank), b"1")
+            except Exception:  # noqa: BLE001 - rank 0 may take the store down once it has this mark, before
+                # the reply arrives; this rank has every post, so the outcome is decided already
+                log.debug("the store closed after rank %d's read mark", rank, exc_info=True)
+            return posted
+        for other in range(1, world_size):
+            try:
+                store.get(key("read/", other), max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                raise CommschedTimeout(f"rank 0 waiting for rank {other} to read every rank's plan check (is it "
+                                       "alive?)", timeout_s) from None
+        for r in range(world_size):
+            store.delete(key("", r))
+            if r:
+                store.delete(key("read/", r))
         return posted
     return gather
 
