@@ -273,6 +273,8 @@ class Scheduler(Closeable):
         if self._state.policy.reads_decisions and self._channel is not None:
             self._channel.wake()
         join_threads(self._threads + self._state.failed.threads(), timeout_s=max(5.0, 4 * _POLL_S))
+        if self._channel is not None:
+            self._channel.close()  # the last rank to close deletes the channel's keys
         try:
             self.backend.close()
         except Exception as exc:  # closing goes on; the engine may be broken already
