@@ -235,10 +235,24 @@ class AgreedSwitch:
             except Exception as exc:  # the store's own timeout or a dead rank 0
                 raise CommschedTimeout(f"rank {self.rank} waiting for rank 0's settings decision of step {step} "
                                        f"({self.key(step)!r}: {exc!r})", self.timeout_s, []) from exc
+            self._forget(step)
             return Decision.decode(raw)
         if self.broadcast is None:
             raise CommschedError("AgreedSwitch needs a store or a broadcast with more than one rank")
         return Decision.decode(self.broadcast(None))
+
+    def _forget(self, step: int) -> None:
+        """A follower read the decision of ``step``: the last follower to read it deletes it (and
+        the read count), so decisions do not pile up in the store over a long run."""
+        add = getattr(self.store, "add", None)
+        if add is None:
+            return
+        try:
+            if add(self.key(step) + "/read", 1) >= self.world_size - 1:
+                self.store.delete(self.key(step))
+                self.store.delete(self.key(step) + "/read")
+        except Exception as exc:  # noqa: BLE001 - cleanup only: the decision was read
+            log.debug("could not delete the switch decision %r: %r", self.key(step), exc)
 
 
 @dataclass
