@@ -160,6 +160,23 @@ class Channel:
         except Exception as exc:
             log.debug("could not publish the abort: %r", exc)
 
+    def close(self) -> None:
+        """This rank's scheduler closed. The last rank to close deletes the channel's keys: the
+        followers' queues, the abort notice and the close count itself, so a job whose ranks all
+        close leaves nothing in the store. A rank that died never counts: its job keeps the abort
+        notice (why the others stopped) and the count, two keys. Best effort: the store may be
+        gone, or lack ``add``."""
+        add = getattr(self.store, "add", None)
+        if add is None or self.world_size < 2:
+            return
+        try:
+            if add(self._key("closed"), 1) < self.world_size:
+                return
+            for what in ["abort", *(f"q{rank}" for rank in range(1, self.world_size)), "closed"]:
+                self.store.delete(self._key(what))
+        except Exception as exc:  # the store's host may have exited first
+            log.debug("could not clean the channel's keys: %r", exc)
+
     def abort_message(self, grace_s: float = 0.0) -> str | None:
         """Another rank's abort message, waiting up to ``grace_s`` for it to arrive."""
         deadline = time.monotonic() + grace_s

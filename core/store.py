@@ -21,7 +21,10 @@ class Store(Protocol):
     ``TimeoutError``; ``pop`` likewise waits for a value pushed on a queue. Neither
     may hold Python's GIL while it waits, and a ``pop`` blocked on one thread must
     not block other threads' calls (use a separate connection for it). ``check``
-    never blocks.
+    never blocks. ``delete`` removes a key and a queue of that name. ``add`` adds to
+    an integer counter (created at 0) atomically and returns the new value: it is
+    optional (callers check for it), and what lets the last rank to finish with some
+    keys delete them.
     """
 
     def set(self, key: str, value: bytes) -> None: ...
@@ -67,6 +70,14 @@ class InMemoryStore:
     def delete(self, key: str) -> None:
         with self._cv:
             self._data.pop(key, None)
+            self._queues.pop(key, None)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._cv:
+            value = int(self._data.get(key, b"0")) + int(amount)
+            self._data[key] = str(value).encode()
+            self._cv.notify_all()
+            return value
 
     def push(self, queue: str, value: bytes) -> None:
         with self._cv:

@@ -9,11 +9,12 @@ on the server, never in a Python loop) and :class:`StoreClient` implements
 ``get`` does not stall training threads.
 
 Wire format, every integer big-endian: a request is an op byte (``S`` set, ``G``
-get, ``C`` check, ``D`` delete, ``Q`` push onto a queue, ``P`` pop from a queue),
-the key or queue name (u32 length + UTF-8), then for ``S`` and ``Q`` the value
-(u32 length + bytes) and for ``G`` and ``P`` the timeout (f64 seconds). A reply is
-a status byte (``+`` ok, ``-`` missing or timed out) and, for a successful ``G``
-or ``P``, the value (u32 length + bytes).
+get, ``C`` check, ``D`` delete a key and a queue of that name, ``Q`` push onto a
+queue, ``P`` pop from a queue, ``A`` add to a counter), the key or queue name (u32
+length + UTF-8), then for ``S`` and ``Q`` the value (u32 length + bytes), for ``G``
+and ``P`` the timeout (f64 seconds) and for ``A`` the amount (i64). A reply is a
+status byte (``+`` ok, ``-`` missing or timed out) and, for a successful ``G`` or
+``P``, the value (u32 length + bytes), for ``A`` the counter's new value (i64).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _U32 = struct.Struct("!I")
 _F64 = struct.Struct("!d")
+_I64 = struct.Struct("!q")
 _CONNECT_TIMEOUT_S = 30.0
 _MAX_WAIT_S = 3600.0
 
@@ -147,7 +149,15 @@ class StoreServer:
                 elif op == b"D":
                     with self._cv:
                         self._data.pop(key, None)
+                        self._queues.pop(key, None)
                     conn.sendall(b"+")
+                elif op == b"A":
+                    (amount,) = _I64.unpack(_recv_exact(conn, 8))
+                    with self._cv:
+                        value = int(self._data.get(key, b"0")) + amount
+                        self._data[key] = str(value).encode()
+                        self._cv.notify_all()
+                    conn.sendall(b"+" + _I64.pack(value))
                 else:
                     log.error("commsched store: unknown request %r; closing the connection", op)
                     return
@@ -245,6 +255,18 @@ class StoreClient:
 
     def delete(self, key: str) -> None:
         self._call(b"D" + _blob(key.encode()), 0.0)
+
+    def add(self, key: str, amount: int) -> int:
+        sock = self._sock()
+        try:
+            sock.settimeout(_CONNECT_TIMEOUT_S)
+            sock.sendall(b"A" + _blob(key.encode()) + _I64.pack(int(amount)))
+            _recv_exact(sock, 1)
+            return _I64.unpack(_recv_exact(sock, 8))[0]
+        except (OSError, ConnectionError) as exc:
+            self._local.sock = None
+            sock.close()
+            raise ConnectionError(f"commsched store at {self.host}:{self.port}: {exc}") from exc
 
     def push(self, queue: str, value: bytes) -> None:
         self._call(b"Q" + _blob(queue.encode()) + _blob(bytes(value)), 0.0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import logging
 import pickle
 import sys
 import threading
@@ -37,6 +38,8 @@ from commsched.plugins.torch.hierarchical import HierarchicalAllReduce
 
 __all__ = ["BACKENDS", "C10dStore", "HorovodBackend", "TorchBackend", "default_store", "make_backend",
            "resolve_backend"]
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "horovod")
 #: What ``backend=`` accepts: a name of :data:`BACKENDS`, or ``"auto"``.
@@ -71,7 +74,10 @@ class C10dStore:
         return bool(self._store.check([key]))
 
     def delete(self, key: str) -> None:
-        self._store.delete_key(key)
+        self._store.delete_key(key)  # c10d's queues are not keys: a popped-empty queue holds nothing
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(key, int(amount)))
 
     def push(self, queue: str, value: bytes) -> None:
         self._store.queue_push(queue, value)
@@ -306,7 +312,29 @@ class TorchBackend:
             self._hierarchical.close()
         group, self.group = self.group, None
         if group is not None and self._owns_group and dist.is_initialized():
+            name = dist.distributed_c10d._get_process_group_name(group)
             dist.destroy_process_group(group)
+            _delete_rendezvous_key(name, self.rank)
+
+
+def _delete_rendezvous_key(group_name: str, rank: int) -> None:
+    """Delete this rank's rendezvous key of the group ``group_name`` (``<name>/.../<rank>``, where
+    gloo published its address) from the default store, so a closed optimizer leaves no key.
+
+    Each rank deletes only its own: once this rank's group existed, every peer had read it
+    (a gloo pair connects only after both sides read each other's address). Needs a store
+    that lists its keys (TCPStore's extended API); best effort otherwise."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = store.list_keys()
+    except Exception:  # noqa: BLE001 - a store without list_keys (or gone): nothing to clean here
+        return
+    for key in keys:
+        if key.startswith(f"{group_name}/") and key.endswith(f"/{rank}"):
+            try:
+                store.delete_key(key)
+            except Exception as exc:  # noqa: BLE001 - the store's host may have exited first
+                log.debug("could not delete rendezvous key %r: %r", key, exc)
 
 
 def _import_horovod() -> Any:
