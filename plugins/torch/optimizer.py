@@ -671,10 +671,19 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._epoch += 1
         prefix = f"{self._prefix}/e{self._epoch}"
         self.config = config
-        if plan is not None:
-            self._start_plan(self._store, prefix, source=plan)
-        self._scheduler = Scheduler(self._engine, TorchOps(), self.config, store=self._store, key_prefix=prefix,
-                                    timeline=self.timeline)
+        try:
+            if plan is not None:
+                self._start_plan(self._store, prefix, source=plan)
+            self._scheduler = Scheduler(self._engine, TorchOps(), self.config, store=self._store, key_prefix=prefix,
+                                        timeline=self.timeline)
+        except BaseException:
+            # no scheduler owns the engine now (the old one is closed): close it here, or its process
+            # group and threads would outlive close() (a peer that died during the switch, say)
+            try:
+                self._backend.close()
+            except Exception:  # noqa: BLE001 - the switch's own error is the one to report
+                log.exception("closing the backend after a failed switch")
+            raise
         self._sched_base_step = self._steps
 
     def _abandon(self) -> None:
