@@ -73,6 +73,7 @@ def store_gather(store: Store, prefix: str, rank: int, world_size: int,
             try:
                 raw = store.get(key("", other), max(0.001, deadline - time.monotonic()))
             except TimeoutError:
+                forget([key("", rank)])  # this rank stops here: its post would never be deleted
                 raise CommschedTimeout(f"rank {rank} waiting for rank {other} to check its plan (does every rank "
                                        "run ordering='planned' with a plan, and is it alive?)", timeout_s) from None
             posted.append(json.loads(raw.decode()))
@@ -87,13 +88,20 @@ def store_gather(store: Store, prefix: str, rank: int, world_size: int,
             try:
                 store.get(key("read/", other), max(0.001, deadline - time.monotonic()))
             except TimeoutError:
+                forget(every)
                 raise CommschedTimeout(f"rank 0 waiting for rank {other} to read every rank's plan check (is it "
                                        "alive?)", timeout_s) from None
-        for r in range(world_size):
-            store.delete(key("", r))
-            if r:
-                store.delete(key("read/", r))
+        forget(every)
         return posted
+
+    every = [key("", r) for r in range(world_size)] + [key("read/", r) for r in range(1, world_size)]
+
+    def forget(keys: list[str]) -> None:
+        for k in keys:
+            try:
+                store.delete(k)
+            except Exception as exc:  # noqa: BLE001 - cleanup on the way out: the store may be gone
+                log.debug("could not delete %r: %r", k, exc)
     return gather
 
 

@@ -93,3 +93,11 @@ def test_rank_0_waiting_for_a_rank_that_read_but_never_marked_is_a_timeout():
     with pytest.raises(CommschedTimeout, match="rank 0 waiting for rank 1 to read"):
         store_gather(store, "opt0", 0, 2, 0.3)({"digest": "x"})
     assert time.monotonic() - started < 0.3 + 2.0
+    assert len(store) == 0  # rank 0 stopped the agreement: nobody else would delete the posts
+
+
+def test_a_rank_that_times_out_waiting_for_a_post_deletes_its_own():
+    store = InMemoryStore()
+    with pytest.raises(CommschedTimeout, match="rank 1 waiting for rank 0 to check its plan"):
+        store_gather(store, "opt0", 1, 2, 0.2)({"digest": "x"})
+    assert len(store) == 0
