@@ -10,8 +10,8 @@ allocators, the static plan, lazy imports, TensorFlow's traces).
 
 Backends and what "store keys" counts on each (``STORE_KEYS``):
 
-* ``torch``: torch/gloo; c10d's rendezvous store on rank 0 (``num_keys``), which holds
-  commsched's order queues and its group's keys.
+* ``torch``: torch/gloo; c10d's rendezvous store on rank 0: ``num_keys`` (its group's
+  keys, ...) plus the values waiting in rank 1's order queue (c10d's queues are not keys).
 * ``horovod``: torch on Horovod over gloo; no store: Horovod's rank-0 coordinator orders
   the pieces by name, commsched writes nothing to Horovod's rendezvous server.
 * ``tensorflow``: TF collective ops under ``MultiWorkerMirroredStrategy`` (2 workers,
@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("torch", "horovod", "tensorflow", "mxnet")
 RSS_GROWTH_LIMIT = 0.05
 STORE_KEYS = {
-    "torch": "keys in c10d's rendezvous store (rank 0)",
+    "torch": "keys in c10d's rendezvous store plus the values waiting in rank 1's order queue (rank 0)",
     "horovod": "none: Horovod orders pieces in its coordinator; commsched keeps nothing in a store",
     "tensorflow": "none: TF collectives are matched by group/instance keys from an in-graph counter",
     "mxnet": "keys + queued values in commsched's order store (served by worker 0)",
@@ -99,13 +99,17 @@ def worker_torch(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         if rank == 0:
-            store_keys = dist.distributed_c10d._get_default_store().num_keys
+            store = dist.distributed_c10d._get_default_store()
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
     config = soak_config(args)
     samples = []
     with DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model, backend=args.worker,
                               config=config) as opt:
+        if args.worker == "torch" and rank == 0:
+            # c10d's queues are not keys (num_keys misses them): add the follower's order queue
+            queue = f"{opt._prefix}/q1"
+            store_keys = lambda: store.num_keys() + store.queue_len(queue)  # noqa: E731
         g = torch.Generator().manual_seed(rank)
         for step in range(args.steps):
             x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
