@@ -34,7 +34,7 @@ from commsched.errors import CommschedTimeout, HorovodUnavailable
 from commsched.plugins.tensorflow import keys
 from commsched.plugins.tensorflow.failures import TracedTimeout
 
-__all__ = ["ABORT_STAGGER_S", "BACKENDS", "CollectiveBackend", "HorovodBackend", "ReplicaGroup", "make_backend",
+__all__ = ["BACKENDS", "CollectiveBackend", "HorovodBackend", "ReplicaGroup", "make_backend",
            "replica_group"]
 
 BACKENDS = ("collective", "horovod")
@@ -82,24 +82,18 @@ def replica_group() -> ReplicaGroup | None:
     return ReplicaGroup(size, rank, devices[0])
 
 
-#: Seconds between the timeouts of successive ordering chains (see :class:`CollectiveBackend`).
-ABORT_STAGGER_S = 2.0
-
-
 class CollectiveBackend:
     """TF collective ops (``CollectiveReduceV2``) ordered by one token per slot.
 
     Instance keys come from :mod:`commsched.plugins.tensorflow.keys` (unique per
-    call, identical on every worker); ``timeout_s`` bounds every collective, so a
-    dead peer surfaces as ``tf.errors.DeadlineExceededError`` (or the strategy's
-    own ``UnavailableError``) instead of a hang.
-
-    The timeout of the collectives on ordering chain ``slot`` is ``timeout_s +
-    slot * ABORT_STAGGER_S``. When a peer goes silent, one collective per chain is
-    stuck; each one's expiry calls TensorFlow's ``StartAbort`` unless its op is done
-    already, and two aborts at once can crash TensorFlow's abort path (SIGSEGV, about
-    one run in five here). Staggered, the first expiry aborts every pending
-    collective, so the others complete (aborted) before their own timers fire.
+    call, identical on every worker). The pieces carry no TF timeout: TensorFlow runs each
+    collective's timeout on a sleeping thread of its own (so ``pieces per second x
+    timeout_s`` threads alive), and commsched's watchdog bounds each reduction by
+    ``timeout_s`` with one thread per process instead
+    (:mod:`commsched.plugins.tensorflow.watchdog`). A dead peer surfaces at once as
+    ``tf.errors.UnavailableError``; a silent one when the watchdog aborts the collectives
+    (``DeadlineExceededError``, once, so TensorFlow's abort path never runs twice at a time).
+    The one-off plan check (:meth:`all_gather_object`) keeps TF's own timeout.
     """
 
     name = "collective"
@@ -124,7 +118,7 @@ class CollectiveBackend:
                 input=piece, group_size=group.size, group_key=keys.GROUP_KEY, instance_key=instance_key,
                 ordering_token=[token], merge_op="Add", final_op=_FINAL_OP[op],
                 communication_hint=self.communication_hint,
-                timeout_seconds=self.timeout_s + slot * ABORT_STAGGER_S,
+                timeout_seconds=0.0,  # bounded by the watchdog: a TF timeout costs a thread per collective
                 name="commsched_" + _op_name(name))
 
 

@@ -133,6 +133,21 @@ class Recorder:
                                         value=tf.zeros([self.capacity, 1 + 2 * self.n], tf.float64))
             self._count = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], shared_name=name + "_count")
             tf.raw_ops.AssignVariableOp(resource=self._count, value=tf.constant(0, tf.int64))
+            self._started = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], shared_name=name + "_started")
+            tf.raw_ops.AssignVariableOp(resource=self._started, value=tf.constant(0, tf.int64))
+
+    def begin(self, after: tf.Tensor) -> None:
+        """Count a run as started once ``after`` (the plan's first gradient) exists (the watchdog's
+        reference: :mod:`commsched.plugins.tensorflow.watchdog`)."""
+        with tf.device("CPU:0"), tf.name_scope("commsched_stamps"), tf.control_dependencies([after]):
+            tf.raw_ops.AssignAddVariableOp(resource=self._started, value=tf.constant(1, tf.int64))
+
+    def progress(self) -> tuple[int, int]:
+        """``(runs started, runs finished)`` so far (read eagerly; safe from another thread)."""
+        with tf.init_scope(), tf.device("CPU:0"):
+            started = int(tf.raw_ops.ReadVariableOp(resource=self._started, dtype=tf.int64))
+            finished = int(tf.raw_ops.ReadVariableOp(resource=self._count, dtype=tf.int64))
+        return started, finished
 
     def record(self, start: tf.Tensor, ready: list[tf.Tensor], done: list[tf.Tensor]) -> None:
         """Write this run's stamps (in graph or eagerly) into the next row of the ring."""
@@ -146,9 +161,10 @@ class Recorder:
             tf.raw_ops.ResourceScatterUpdate(resource=self._rows, indices=tf.reshape((count - 1) % self.capacity, [1]),
                                              updates=row[None, :])
 
-    def count_only(self) -> None:
-        """Count this run without stamps (``measure=False``): bytes and pieces per step stay known."""
-        with tf.device("CPU:0"), tf.name_scope("commsched_stamps"):
+    def count_only(self, results: list[tf.Tensor]) -> None:
+        """Count this run, once every tensor of ``results`` exists, without stamps (``measure=False``):
+        bytes and pieces per step stay known, and the watchdog sees the run finish."""
+        with tf.device("CPU:0"), tf.name_scope("commsched_stamps"), tf.control_dependencies(results):
             tf.raw_ops.AssignAddVariableOp(resource=self._count, value=tf.constant(1, tf.int64))
         self.unmeasured = True
 

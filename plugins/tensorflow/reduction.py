@@ -52,7 +52,7 @@ from commsched.plan import Plan as CommPlan
 from commsched.plan import PlanMismatch, PlannedTensor
 from commsched.plan_agreement import agree_on_plan, check_plan
 from commsched.replay import Plan, PlanTensor, backward_ready_times, plan
-from commsched.plugins.tensorflow import failures
+from commsched.plugins.tensorflow import failures, watchdog
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
 from commsched.plugins.tensorflow.measure import Recorder, stamp
 from commsched.plugins.tensorflow.stats import TraceRecord, format_report, reduction_stats
@@ -156,9 +156,10 @@ class GradientReducer:
                                  f"not {self.backend.name!r}; with Horovod use ordering='dynamic'")
 
     def close(self) -> None:
-        """Refuse further reductions. Idempotent. (TF's collectives hold no thread or
-        connection of commsched's that would outlive the step.)"""
+        """Refuse further reductions; the last open reducer stops the process's watchdog
+        thread (:mod:`.watchdog`). Idempotent."""
         self.closed = True
+        watchdog.release(self)
 
     # ------------------------------------------------------------------ API
     def reduce(self, grads: Sequence[Any], names: Sequence[str] | None = None) -> list[Any]:
@@ -290,6 +291,11 @@ class GradientReducer:
         keys_start = self.backend.reserve(len(schedule.pieces))
         recorder = self._recorder(schedule, group) if schedule.pieces else None
         timed = self.measure and recorder is not None
+        if recorder is not None and self.backend.name == "collective" and group.size > 1:
+            # TF's own collective timeouts cost a sleeping thread each: the process's watchdog
+            # bounds the reduction instead, from its first gradient on (see watchdog.py)
+            recorder.begin(flats[schedule.pieces[0].tensor])
+            watchdog.watch(_watched, self)
         pieces: list[list[tf.Tensor | None]] = [[None] * len(p) for p in schedule.by_tensor(len(flats))]
         last_on_slot: dict[int, tf.Tensor] = {}
         start = stamp() if timed else None
@@ -321,7 +327,7 @@ class GradientReducer:
         if timed:
             recorder.record(start, ready, done)
         elif recorder is not None:
-            recorder.count_only()
+            recorder.count_only([r for chain in pieces for r in chain if r is not None])
         self._record(schedule, group)
         return pieces
 
@@ -333,7 +339,7 @@ class GradientReducer:
             if record.key == key:
                 return record.recorder
         record = TraceRecord(schedule, Recorder([p.slot for p in schedule.pieces]),
-                             dict(self.settings(), world_size=group.size), key)
+                             dict(self.settings(), world_size=group.size, rank=group.rank), key)
         self.records.append(record)
         del self.records[:-8]
         with _records_lock:
@@ -409,6 +415,13 @@ class GradientReducer:
             timeline.write()
         except OSError as exc:
             log.warning("could not write the commsched timeline to %s: %s", timeline.path, exc)
+
+
+def _watched() -> list[TraceRecord]:
+    """The reductions the watchdog reads: every one traced over TF collective ops and several workers."""
+    with _records_lock:
+        return [r for r in _records
+                if r.settings.get("backend") == "collective" and r.settings.get("world_size", 1) > 1]
 
 
 def process_report(topology: Any = None) -> str:

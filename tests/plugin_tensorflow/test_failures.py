@@ -145,3 +145,89 @@ def test_traced_timeout_keeps_what_a_commsched_timeout_has():
     error = TracedTimeout.of(CommschedTimeout("the plan check", 3.0, pending=["a#0"]))
     assert isinstance(error, CommschedError) and isinstance(error, TimeoutError)
     assert error.pending == ["a#0"] and error.timeout_s == 3.0 and "the plan check" in str(error)
+
+
+class _FakeRecorder:
+    def __init__(self):
+        self.counters = (0, 0)
+
+    def progress(self):
+        return self.counters
+
+
+class _FakePiece:
+    def __init__(self, name):
+        self.name = name
+
+
+class _FakePlan:
+    pieces = [_FakePiece("0:w#0"), _FakePiece("1:b#0")]
+
+
+class _FakeRecord:
+    def __init__(self, timeout_s):
+        self.recorder, self.plan, self.settings = _FakeRecorder(), _FakePlan(), {"timeout_s": timeout_s, "rank": 1}
+
+
+def test_the_watchdog_aborts_once_when_a_started_reduction_makes_no_progress_for_timeout_s():
+    from commsched.plugins.tensorflow.watchdog import Watchdog
+
+    record, aborted = _FakeRecord(timeout_s=5.0), []
+    dog = Watchdog(lambda: [record], abort=aborted.append)
+    try:
+        dog._stop.set()  # drive check() by hand with a fake clock
+        record.recorder.counters = (1, 0)  # a run started
+        assert dog.check(now=100.0) is None
+        assert dog.check(now=104.9) is None  # within timeout_s
+        record.recorder.counters = (2, 1)  # progress: one finished, the next started
+        assert dog.check(now=105.5) is None
+        assert dog.check(now=110.4) is None  # 4.9 s since the last progress
+        message = dog.check(now=110.6)
+        assert message and aborted == [message]
+        assert "worker 1" in message and "0:w#0" in message and "timeout_s" in message
+        assert dog.check(now=200.0) is None and len(aborted) == 1  # TF's abort path runs once
+    finally:
+        dog.close()
+    assert not dog._thread.is_alive()
+
+
+def test_the_watchdog_leaves_idle_and_finished_reductions_alone():
+    from commsched.plugins.tensorflow.watchdog import Watchdog
+
+    record, aborted = _FakeRecord(timeout_s=1.0), []
+    dog = Watchdog(lambda: [record], abort=aborted.append)
+    try:
+        dog._stop.set()
+        record.recorder.counters = (3, 3)  # nothing in flight: waiting for the user's next step is fine
+        for now in (0.0, 10.0, 1000.0):
+            assert dog.check(now=now) is None
+        assert aborted == []
+    finally:
+        dog.close()
+
+
+def test_commsched_pieces_carry_no_tf_timeout_so_no_thread_sleeps_per_collective():
+    from commsched.plugins.tensorflow.backends import CollectiveBackend, ReplicaGroup
+
+    backend = CollectiveBackend(timeout_s=30.0)
+
+    @tf.function
+    def piece(x):
+        return backend.reduce(x, group=ReplicaGroup(1, 0, "/device:CPU:0"), slot=0, keys_start=backend.reserve(1),
+                              index=0, name="w#0", op="sum")
+
+    ops = [op for op in piece.get_concrete_function(tf.ones([3])).graph.get_operations()
+           if op.type == "CollectiveReduceV2"]
+    assert [op.get_attr("timeout_seconds") for op in ops] == [0.0]
+
+
+def test_the_watchdog_thread_stops_when_its_last_user_closes():
+    from commsched.plugins.tensorflow import watchdog
+
+    first, second = object.__new__(type("U", (), {})), object.__new__(type("V", (), {}))
+    dog = watchdog.watch(lambda: [], first)
+    assert watchdog.watch(lambda: [], second) is dog and dog._thread.name == "commsched-tf-watchdog"
+    watchdog.release(first)
+    assert dog._thread.is_alive()  # another user is still open
+    watchdog.release(second)
+    assert not dog._thread.is_alive()

@@ -153,9 +153,10 @@ def test_tf_keras_custom_loop_is_bitwise_equal_to_stock_mwms(tf_keras):
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_a_lost_worker_makes_the_other_fail_with_a_commsched_error_within_the_timeout(tmp_path, tf_job, how):
     env = {"COMMSCHED_TEST_HANG": "1"} if how == "hangs" else {}
-    # No xfail: a SIGSEGV in TF's collective-abort path (seen about once in 5 runs of
-    # "hangs", after the collectives' own timeout fired) is a crash a user would see, so
-    # it fails this test (rc=-11 in the message) until it is avoided.
+    # No xfail: a SIGSEGV in TF's collective-abort path (seen about once in 5 runs of "hangs"
+    # when several collectives' own timeouts fired at once) is a crash a user would see, so it
+    # fails this test (rc=-11 in the message). The pieces carry no TF timeout now: the watchdog
+    # aborts once.
     survivor, lost = tf_job("die", tmp_path, timeout=120, env=env)
     assert lost["left"]
     assert survivor["error"] is not None, "the surviving worker finished its steps without the other one"
