@@ -84,7 +84,7 @@ def piece_error(exc: tf.errors.OpError, piece: str, rank: int, timeout_s: float,
     """The commsched error for TF error ``exc`` of ``piece`` (``"<tensor>#<index>"``) on worker ``rank``."""
     tensor, index = _split(piece)
     where = f"piece {piece!r}" + (f" (TF op {op_name})" if op_name else "")
-    first = exc.message.strip().splitlines()[0] if exc.message else ""
+    first = _gist(exc)
     if isinstance(exc, tf.errors.DeadlineExceededError):
         error: CommschedError = CommschedTimeout(
             f"worker {rank}: the all-reduce of {where}", timeout_s, pending=[piece])
@@ -95,6 +95,16 @@ def piece_error(exc: tf.errors.OpError, piece: str, rank: int, timeout_s: float,
             tensor=tensor, piece=index)
     error.__cause__ = exc
     return error
+
+
+def _gist(exc: tf.errors.OpError) -> str:
+    """The line of a TF error that says why ("Collective ops is aborted by: ..."), not its preamble."""
+    lines = [line.strip() for line in (exc.message or "").splitlines() if line.strip()]
+    for line in lines:
+        if "aborted by" in line or "timed out" in line:
+            return line.split("}} ", 1)[-1]
+    useful = [line for line in lines if not line.startswith("Graph execution error")]
+    return (useful or [""])[0][:300]
 
 
 def commsched_error(exc: BaseException) -> CommschedError | None:
@@ -127,7 +137,7 @@ def commsched_error(exc: BaseException) -> CommschedError | None:
 
 def _unknown(exc: tf.errors.OpError, op_name: str) -> CommschedError:
     """A commsched op this process did not register (a function traced in another process, say)."""
-    first = exc.message.strip().splitlines()[0] if exc.message else ""
+    first = _gist(exc)
     error = CommunicationError(f"commsched's all-reduce {op_name} failed: another worker is gone, unreachable or "
                                f"too slow ({type(exc).__name__}: {first}). TensorFlow's collective executor is "
                                "aborted now: restart the job")
