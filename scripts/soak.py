@@ -10,8 +10,9 @@ allocators, the static plan, lazy imports, TensorFlow's traces).
 
 Backends and what "store keys" counts on each (``STORE_KEYS``):
 
-* ``torch``: torch/gloo; c10d's rendezvous store on rank 0: ``num_keys`` (its group's
-  keys, ...) plus the values waiting in rank 1's order queue (c10d's queues are not keys).
+* ``torch``: torch/gloo; c10d's rendezvous store on rank 0: ``num_keys``, and apart (c10d's
+  queues are not keys) the decisions waiting in rank 1's order queue, reported as
+  ``queued_max``/``queued_last`` but not judged (a backlog at a sample depends on timing).
 * ``horovod``: torch on Horovod over gloo; no store: Horovod's rank-0 coordinator orders
   the pieces by name, commsched writes nothing to Horovod's rendezvous server.
 * ``tensorflow``: TF collective ops under ``MultiWorkerMirroredStrategy`` (2 workers,
@@ -46,14 +47,14 @@ REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("torch", "horovod", "tensorflow", "mxnet")
 RSS_GROWTH_LIMIT = 0.05
 STORE_KEYS = {
-    "torch": "keys in c10d's rendezvous store plus the values waiting in rank 1's order queue (rank 0)",
+    "torch": "keys in c10d's rendezvous store (rank 0); queued_max/queued_last: rank 1's order queue",
     "horovod": "none: Horovod orders pieces in its coordinator; commsched keeps nothing in a store",
     "tensorflow": "none: TF collectives are matched by group/instance keys from an in-graph counter",
     "mxnet": "keys + queued values in commsched's order store (served by worker 0)",
 }
 
 
-def sample(store_keys=None) -> dict:
+def sample(store_keys=None, queued=None) -> dict:
     page = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/statm") as fh:
         rss = int(fh.read().split()[1]) * page
@@ -62,7 +63,8 @@ def sample(store_keys=None) -> dict:
         for line in fh:
             if line.startswith("Threads:"):
                 threads = int(line.split()[1])
-    return {"rss_bytes": rss, "threads": threads, "store_keys": store_keys() if store_keys is not None else None}
+    return {"rss_bytes": rss, "threads": threads, "store_keys": store_keys() if store_keys is not None else None,
+            "queued": queued() if queued is not None else None}
 
 
 def soak_config(args: argparse.Namespace):
@@ -87,7 +89,7 @@ def worker_torch(args: argparse.Namespace) -> None:
     from commsched.plugins.torch import DistributedOptimizer
 
     torch.set_num_threads(1)
-    store_keys = None
+    store_keys = queued = None
     if args.worker == "horovod":
         import horovod.torch as hvd
 
@@ -100,6 +102,7 @@ def worker_torch(args: argparse.Namespace) -> None:
         rank = dist.get_rank()
         if rank == 0:
             store = dist.distributed_c10d._get_default_store()
+            store_keys = store.num_keys
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
     config = soak_config(args)
@@ -107,9 +110,9 @@ def worker_torch(args: argparse.Namespace) -> None:
     with DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model, backend=args.worker,
                               config=config) as opt:
         if args.worker == "torch" and rank == 0:
-            # c10d's queues are not keys (num_keys misses them): add the follower's order queue
+            # c10d's queues are not keys (num_keys misses them): the follower's order queue, apart
             queue = f"{opt._prefix}/q1"
-            store_keys = lambda: store.num_keys() + store.queue_len(queue)  # noqa: E731
+            queued = lambda: store.queue_len(queue)  # noqa: E731
         g = torch.Generator().manual_seed(rank)
         for step in range(args.steps):
             x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
@@ -117,7 +120,7 @@ def worker_torch(args: argparse.Namespace) -> None:
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
             if step % args.every == 0 or step == args.steps - 1:
-                samples.append(dict(step=step, **sample(store_keys)))
+                samples.append(dict(step=step, **sample(store_keys, queued)))
         opt.synchronize()
         pieces = opt.stats()["pieces"]
     write_result(args.out, rank, {"samples": samples, "pieces": pieces, "after_close": sample(store_keys)})
@@ -217,6 +220,7 @@ def judge(rank_result: dict, warmup: int) -> dict:
     growth = (last["rss_bytes"] - base["rss_bytes"]) / base["rss_bytes"]
     threads = sorted({s["threads"] for s in after})
     keys = sorted({s["store_keys"] for s in after if s["store_keys"] is not None})
+    queued = [s["queued"] for s in after if s.get("queued") is not None]
     why = []
     if growth >= RSS_GROWTH_LIMIT:
         why.append(f"RSS grew {growth:.1%} (limit {RSS_GROWTH_LIMIT:.0%})")
@@ -227,7 +231,8 @@ def judge(rank_result: dict, warmup: int) -> dict:
     return {"rank": rank_result["rank"], "rss_base_mib": round(base["rss_bytes"] / 2**20, 2),
             "rss_end_mib": round(last["rss_bytes"] / 2**20, 2), "rss_growth": round(growth, 4),
             "rss_max_mib": round(max(s["rss_bytes"] for s in after) / 2**20, 2), "threads": threads,
-            "store_keys": keys, "pieces": rank_result["pieces"], "ok": not why, "why": why}
+            "store_keys": keys, "queued_max": max(queued) if queued else None,
+            "queued_last": queued[-1] if queued else None, "pieces": rank_result["pieces"], "ok": not why, "why": why}
 
 
 def start(backend: str, me: list[str], env: dict, workdir: Path, timeout: float) -> tuple[list, list]:
