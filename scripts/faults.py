@@ -12,6 +12,9 @@ phase:
   the engine is still running it);
 * ``in_flight``: right after ``step()`` returned, with pieces in flight;
 * ``forward_wait``: at the start of the next forward, where it waits for its pieces;
+* ``switch`` (torch, Horovod): during an agreed plan/tuning switch of ``ordering="planned"``
+  without a plan file or ``ordering="auto"``: as rank 0 decides, as every rank takes the
+  decision one step later, or between the old scheduler and the new one (``SWITCH_POINTS``);
 * ``timer`` (TensorFlow, whose step is one compiled graph): a thread kills the
   process a seeded fraction of a step time into a step.
 
@@ -19,8 +22,10 @@ A kill is *clean* when the survivor raised a ``CommschedError`` (TensorFlow: see
 below) naming the cause within ``timeout_s + 5`` s of the kill, every process of the
 job exited by itself (none had to be killed), the survivor's commsched threads were
 all gone after ``close()`` (jobs run on loopback and create no network namespace,
-so none can be left), and the store the survivor could still read holds no more
-commsched keys than the one abort notice (torch, when rank 0 survives).
+so none can be left), and the store the survivor could still read (torch, when rank 0
+survives) holds no key commsched wrote but the abort notice, the close count, a switch
+decision the dead rank never read and the dead rank's own rendezvous key of commsched's
+group (``ALLOWED_LEFT``; the record lists them).
 
 TensorFlow's step is the user's compiled function: a dead peer surfaces as TF's own
 ``UnavailableError``/``DeadlineExceededError`` from that call, not a
@@ -44,6 +49,7 @@ import faulthandler
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -56,16 +62,29 @@ from commsched.bench.procs import free_ports, pids_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("torch", "horovod", "tensorflow", "mxnet")
-PHASES = {"torch": ("backward", "in_flight", "forward_wait"),
-          "horovod": ("backward", "in_flight", "forward_wait"),
+PHASES = {"torch": ("backward", "in_flight", "forward_wait", "switch"),
+          "horovod": ("backward", "in_flight", "forward_wait", "switch"),
           "mxnet": ("backward", "in_flight", "forward_wait"),
           "tensorflow": ("timer",)}
 STEPS = 12          # steps each rank runs when nobody dies
 FIRST_KILL_STEP = 2  # the kill comes after warm-up (the static plan, TF's traces)
 SLACK_S = 5.0       # what the issue allows beyond timeout_s
-# torch's own rendezvous keys of the process group commsched makes (dist.new_group): a run
-# without any failure leaves these 2 as well (measured: 3 keys before, 5 after close)
-GROUP_KEYS = 2
+# phase "switch" (torch, Horovod): the job runs ordering="planned" without a plan file or
+# ordering="auto", which decide new settings at the end of step SWITCH_DECISION_STEP (rank 0),
+# take the decision one step later on every rank and switch (a new scheduler; planned: the new
+# plan's agreement), so step +2 runs it (plugins/torch/optimizer.py, ADAPT_RECORD_STEPS - 1).
+# The victim dies at one point of that switch:
+#   decide  - at the end of the decision step, before rank 0 decides and publishes;
+#   take    - as it takes the decision, one step later (rank 0: before a Horovod broadcast);
+#   rebuild - in the switch itself: the old scheduler drained and closed, the new one not started.
+SWITCH_ORDERINGS = ("planned", "auto")
+SWITCH_POINTS = ("decide", "take", "rebuild")
+SWITCH_DECISION_STEP = 3
+# What a survivor's store may still hold of commsched's after a rank died (a job whose ranks
+# all close leaves nothing): the abort notice and the close count of core/protocol.Channel.close
+# (the dead rank never counts), a switch decision the dead follower never read, and the dead
+# rank's own rendezvous key of commsched's group (each rank deletes its own at close).
+ALLOWED_LEFT = ("/abort", "/closed", "/switch/")
 
 
 # --------------------------------------------------------------------------- plan
@@ -74,8 +93,13 @@ GROUP_KEYS = 2
 def plan_for(backend: str, seed: int) -> dict:
     """Where seed ``seed`` kills: victim rank, step, phase, and the phase's detail."""
     rng = random.Random(f"{backend}:{seed}")
-    return {"seed": seed, "victim": rng.randrange(2), "step": rng.randint(FIRST_KILL_STEP, STEPS - 4),
+    plan = {"seed": seed, "victim": rng.randrange(2), "step": rng.randint(FIRST_KILL_STEP, STEPS - 4),
             "phase": rng.choice(PHASES[backend]), "param": rng.randrange(6), "fraction": rng.random()}
+    if plan["phase"] == "switch":
+        plan["ordering"] = SWITCH_ORDERINGS[plan["param"] % len(SWITCH_ORDERINGS)]
+        plan["switch_point"] = SWITCH_POINTS[min(int(plan["fraction"] * len(SWITCH_POINTS)), len(SWITCH_POINTS) - 1)]
+        plan["step"] = SWITCH_DECISION_STEP + (plan["switch_point"] != "decide")
+    return plan
 
 
 # --------------------------------------------------------------------------- worker side
@@ -159,12 +183,15 @@ def worker_torch(w: Worker, engine: str) -> None:
         w.rank = dist.get_rank()
         w.victim = w.rank == w.plan["victim"]
         store = dist.distributed_c10d._get_default_store()
-        store_keys = store.num_keys
+        store_keys = store.list_keys
     model = torch_model()
-    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=w.timeout_s)
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=w.timeout_s,
+                                       ordering=w.plan.get("ordering", "dynamic"))
     keys_before = store_keys() if store_keys else None
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                backend=engine, config=config)
+    if w.plan["phase"] == "switch" and w.victim:
+        arm_switch_kill(w, opt)
     params = list(model.parameters())
     # registered after commsched's own hook, so the gradient is already submitted when this runs
     params[w.plan["param"] % len(params)].register_post_accumulate_grad_hook(lambda p: w.die_if("backward"))
@@ -193,8 +220,48 @@ def worker_torch(w: Worker, engine: str) -> None:
     keys_after = None
     if store_keys and w.rank == 0:
         with contextlib.suppress(Exception):
-            keys_after = store_keys()
-    w.report(error, keys_before=keys_before, keys_after=keys_after)
+            keys_after = sorted(store_keys())
+    w.report(error, keys_before=sorted(keys_before) if keys_before is not None else None, keys_after=keys_after)
+
+
+def arm_switch_kill(w: Worker, opt) -> None:
+    """Phase ``switch``: make the victim die at ``w.plan["switch_point"]`` of the first agreed switch
+    (see SWITCH_POINTS), by wrapping the optimizer's own switch steps on this instance."""
+    if opt._next_decision != SWITCH_DECISION_STEP:
+        raise RuntimeError(f"the first decision step is {opt._next_decision}, faults.py expects "
+                           f"{SWITCH_DECISION_STEP}: update SWITCH_DECISION_STEP")
+    point = w.plan["switch_point"]
+    if point == "decide":
+        at_boundary = opt._at_boundary
+
+        def decide(ended: int) -> None:
+            if ended == SWITCH_DECISION_STEP:
+                w.phase = "switch:decide"
+                w.die()
+            at_boundary(ended)
+        opt._at_boundary = decide
+    elif point == "take":
+        take = opt._switch.take
+
+        def take_then_die(step: int):
+            w.phase = "switch:take"
+            w.die()
+            return take(step)
+        opt._switch.take = take_then_die
+    else:
+        rebuild = opt._rebuild
+
+        def rebuild_and_die(*args, **kwargs):
+            old = opt._scheduler
+            close = old.close
+
+            def close_then_die(*a, **k):
+                close(*a, **k)
+                w.phase = "switch:rebuild"
+                w.die()
+            old.close = close_then_die
+            return rebuild(*args, **kwargs)
+        opt._rebuild = rebuild_and_die
 
 
 def worker_tensorflow(w: Worker) -> None:
@@ -442,9 +509,15 @@ def run_kill(backend: str, seed: int, workdir: Path, timeout_s: float, sig: str 
             why.append(f"error {record['error_after_kill_s']:.1f} s after the kill (> timeout_s + {SLACK_S:g})")
         if result["threads_after_close"]:
             why.append(f"threads left after close: {result['threads_after_close']}")
-        left = None if result.get("keys_after") is None else result["keys_after"] - result["keys_before"]
-        if left is not None and left > GROUP_KEYS + 1:
-            why.append(f"store keys left: {left} (> {GROUP_KEYS} of torch's new_group + the abort notice)")
+        if result.get("keys_after") is not None:
+            left = sorted(set(result["keys_after"]) - set(result["keys_before"]))
+            record["store_keys_left"] = left
+            # each rank deletes its own rendezvous key of commsched's group at close: the dead one could not
+            dead_rank_key = re.compile(rf"^\d+/.*/{plan['victim']}$")
+            unexpected = [k for k in left if not any(a in k for a in ALLOWED_LEFT) and not dead_rank_key.match(k)]
+            if unexpected:
+                why.append(f"store keys left: {unexpected} (beyond the abort notice, the close count, an unread "
+                           "switch decision and the dead rank's own rendezvous key)")
     if hung:
         why.append("a process did not exit within the job deadline")
     if stray:
@@ -469,8 +542,11 @@ def summarize(records: list[dict]) -> dict:
         summary[backend] = {
             "tried": len(mine), "clean": sum(r["clean"] for r in mine),
             "phases": {p: sum(r["phase"] == p for r in mine) for p in PHASES[backend]},
+            "switch_points": {f"{o}:{p}": n for o in SWITCH_ORDERINGS for p in SWITCH_POINTS
+                              if (n := sum(r.get("ordering") == o and r.get("switch_point") == p for r in mine))},
             "error_types": sorted({(r["survivor"] or {}).get("error_type") or "none" for r in mine}),
             "max_error_after_kill_s": max(delays) if delays else None,
+            "max_store_keys_left": max((len(r.get("store_keys_left", [])) for r in mine), default=None),
             "unclean": [{"seed": r["seed"], "phase": r["phase"], "step": r["step"], "victim": r["victim"],
                          "why": r["why"]} for r in mine if not r["clean"]],
         }
