@@ -429,6 +429,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             raise ValueError(f"ordering={config.ordering!r}" + (" without plan=" if config.ordering == "planned"
                              else "") + " profiles the first steps layer by layer, which needs the model: pass "
                              "model=your_module (or give a plan file, or choose ordering='dynamic')")
+        if config.priority == "slack" and model is None:
+            raise ValueError("priority='slack' ranks tensors by their slack, which comes from a profile of the "
+                             "first steps layer by layer and needs the model: pass model=your_module (or use "
+                             "priority='layer')")
         if model is None and config.cross_iteration:
             warnings.warn(_NO_MODEL_WARNING, UserWarning, stacklevel=2)
             config = dataclasses.replace(config, cross_iteration=False)
@@ -493,6 +497,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._pending_decision: Optional[int] = None  # step k whose decision applies from k+2
         self._next_decision: Optional[int] = ADAPT_RECORD_STEPS - 1 if self._adaptive else None
         self._last_step_end: Optional[float] = None
+        # priority="slack": rank 0 (which alone decides dynamic's order) re-ranks after the recorded steps
+        self._slack: dict[str, Any] = {"at_step": ADAPT_RECORD_STEPS} if config.priority == "slack" else {}
         try:
             store = None
             planned = self.config.ordering == "planned"
@@ -595,6 +601,36 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         except Exception as exc:  # noqa: BLE001 - every rank must hear why
             tuner_log.exception("rank 0 could not decide the settings at step %d", ended)
             return Decision(error=f"{type(exc).__name__}: {exc}", reason="failed")
+
+    def _rank_by_slack(self) -> None:
+        """``priority="slack"``, at the end of the recorded steps: give every parameter the priority
+        the seed's slack rule computes from their profile on the topology
+        (:mod:`commsched.costmodel.slack`). Under ``dynamic`` only rank 0's priorities order the
+        pieces (the others follow its decisions), so only rank 0 changes; later steps' tasks carry
+        the new priorities. If the model cannot rank them, layer order stays (logged)."""
+        if self.rank != 0:
+            self._slack["role"] = "follows rank 0"
+            return
+        from commsched.costmodel.slack import slack_order
+
+        try:
+            order = slack_order(self.profile(), self._topology_or_default(), self.config.slack_alpha)
+        except Exception as exc:  # noqa: BLE001 - layer order is a correct fallback
+            tuner_log.warning("priority='slack': no slack ranking (%r); layer order stays", exc)
+            self._slack["error"] = repr(exc)
+            return
+        ranked = order.tensor_priority
+        rest = sorted((s for s in self._params if s.name not in ranked), key=lambda s: s.priority)
+        for s in self._params:
+            if s.name in ranked:
+                s.priority = ranked[s.name]
+        for i, s in enumerate(rest):
+            s.priority = len(ranked) + i
+        self._next_priority = len(ranked) + len(rest)
+        self._slack.update(layers_moved=order.moved, layer_order=list(order.layer_order),
+                           slack_s=[round(x, 6) for x in order.slack_s])
+        tuner_log.info("priority='slack' from step %d: %d layers moved out of layer order (alpha %g)",
+                       self._steps, order.moved, order.alpha)
 
     def _topology_or_default(self) -> Any:
         from commsched.costmodel.topology import Topology
@@ -1096,6 +1132,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._steps += 1
         if self._adaptive:
             self._at_boundary(self._steps - 1)
+        if self._slack and self._steps == self._slack["at_step"]:
+            self._rank_by_slack()
         self._bubbles.append(self._bubble)
         if len(self._bubbles) > _BUBBLE_HISTORY:
             del self._bubbles[: len(self._bubbles) - _BUBBLE_HISTORY]
@@ -1199,6 +1237,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             "ordering": self.config.ordering,
             **adaptive,
             "priorities": {s.name: s.priority for s in sorted(self._params, key=lambda s: s.priority)},
+            **({"slack": dict(self._slack, alpha=self.config.slack_alpha)} if self._slack else {}),
             "fusion_bytes": self.config.fusion_bytes,
             "fused": {f.name: [m.name for m in f.members] for f in self._fusions},
             "scheduler": sched,

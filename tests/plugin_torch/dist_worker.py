@@ -100,7 +100,7 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
-                         alternate_branch=False, fast_tuner=False)
+                         alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -156,7 +156,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
     config = commsched.SchedulerConfig(partition_bytes=sc["partition"], credit_bytes=sc["credit"],
                                        ordering="planned" if plan else sc["ordering"], plan=plan_path,
                                        cross_iteration=bool(sc["cross"]), timeout_s=TIMEOUT_S, timeline=sc["timeline"],
-                                       fusion_bytes=sc["fusion"])
+                                       fusion_bytes=sc["fusion"], priority=sc["priority"],
+                                       slack_alpha=sc["slack_alpha"])
     if sc["fast_tuner"]:  # ordering="auto" in few steps: 1 settle + 2 scored steps per sample, 6 samples
         from commsched.plugins.torch import optimizer as optimizer_module
         optimizer_module.TUNER_OPTIONS.update(sample_steps=2, settle=1, max_samples=6, check_every=4)

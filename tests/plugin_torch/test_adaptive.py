@@ -3,6 +3,7 @@ one log line per decision, the agreed boundary k -> k+2) and the errors for bad 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -89,3 +90,47 @@ def test_a_scheduler_cannot_run_auto_itself():
 
     with pytest.raises(ValueError, match="ordering='auto' is a tuner"):
         make_policy(commsched.SchedulerConfig(ordering="auto"), 0, 1, False)
+
+
+def test_slack_priority_reranks_rank_zero_after_the_recorded_steps_with_the_cost_models_order(monkeypatch):
+    """priority='slack': at the end of step ADAPT_RECORD_STEPS the parameters take the priorities that
+    commsched.costmodel.slack.slack_order computes from the recorded profile (here a fake that reverses
+    layer order, so the change is visible), on the topology given; before that, layer order."""
+    from commsched.costmodel import slack as slack_module
+    from commsched.costmodel.topology import Topology
+
+    seen = {}
+    real_order = slack_module.slack_order
+
+    def fake_order(profile, topology, alpha):
+        seen.update(names=[t.name for layer in profile.layers for t in layer.tensors], world=topology.world_size,
+                    alpha=alpha)
+        order = real_order(profile, topology, 0.0)  # layer order, then reversed
+        names = [t.name for layer in profile.layers for t in layer.tensors]
+        return dataclasses.replace(order, layer_order=tuple(reversed(order.layer_order)),
+                                   tensor_priority={n: i for i, n in enumerate(reversed(names))})
+    monkeypatch.setattr(slack_module, "slack_order", fake_order)
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               topology=Topology.emulated(2, None, "100mbit"),
+                               config=commsched.SchedulerConfig(priority="slack", slack_alpha=3.0, timeout_s=30))
+    train(opt, model, optimizer_module.ADAPT_RECORD_STEPS - 1)
+    layer_order = list(opt.stats()["priorities"])
+    assert layer_order == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    train(opt, model, 3)
+    stats = opt.stats()
+    opt.close()
+    assert seen == {"names": layer_order, "world": 2, "alpha": 3.0}
+    assert list(stats["priorities"]) == list(reversed(layer_order))
+    assert stats["slack"]["at_step"] == optimizer_module.ADAPT_RECORD_STEPS and stats["slack"]["alpha"] == 3.0
+    assert stats["slack"]["layers_moved"] == 2 and stats["slack"]["layer_order"] == [1, 0]
+
+
+def test_slack_priority_needs_the_model_and_dynamic_ordering():
+    model = model_of()
+    with pytest.raises(ValueError, match="priority='slack' ranks tensors by their slack.*pass model=your_module"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, backend="torch",
+                             named_parameters=model.named_parameters(),
+                             config=commsched.SchedulerConfig(priority="slack", cross_iteration=False))
+    with pytest.raises(ValueError, match="priority='slack' ranks the pieces rank 0 decides under ordering='dynamic'"):
+        commsched.SchedulerConfig(priority="slack", ordering="auto")

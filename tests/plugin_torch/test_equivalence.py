@@ -212,6 +212,20 @@ def test_small_gradients_fused_by_size_are_bitwise_on_two_ranks_in_every_orderin
     assert odd, alternating["order"]
 
 
+@pytest.mark.timeout(240)
+def test_slack_priority_reranks_on_rank_zero_only_and_stays_bitwise_on_two_ranks(ranks):
+    items = [{"priority": "slack", "slack_alpha": 1000.0, "optimizer": "adam", "steps": 9},
+             {"priority": "slack", "slack_alpha": 1.0, "optimizer": "sgd_momentum", "steps": 8, "delay": 0.002}]
+    results = ranks(2, *scenarios(*items), timeout=220)
+    check_all(results, exact=True)
+    for a, b in zip(results[0], results[1], strict=True):
+        assert a["order"] == b["order"], a["scenario"]  # rank 1 follows rank 0's decisions
+        slack_a, slack_b = a["stats"]["slack"], b["stats"]["slack"]
+        assert slack_b == {"at_step": 4, "role": "follows rank 0", "alpha": a["scenario"]["slack_alpha"]}
+        assert sorted(slack_a["layer_order"]) == list(range(len(slack_a["layer_order"]))), slack_a
+        assert "error" not in slack_a and slack_a["layers_moved"] >= 0
+
+
 # ------------------------------------------------------------------ switches at agreed steps
 @pytest.mark.timeout(240)
 def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise_on_two_ranks(ranks):
