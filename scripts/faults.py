@@ -546,7 +546,9 @@ def summarize(records: list[dict]) -> dict:
                               if (n := sum(r.get("ordering") == o and r.get("switch_point") == p for r in mine))},
             "error_types": sorted({(r["survivor"] or {}).get("error_type") or "none" for r in mine}),
             "max_error_after_kill_s": max(delays) if delays else None,
-            "max_store_keys_left": max((len(r.get("store_keys_left", [])) for r in mine), default=None),
+            # keys commsched left in a store the survivor could read (torch with rank 0 surviving; None: none read)
+            "max_store_keys_left": max((len(r["store_keys_left"]) for r in mine if "store_keys_left" in r),
+                                       default=None),
             "unclean": [{"seed": r["seed"], "phase": r["phase"], "step": r["step"], "victim": r["victim"],
                          "why": r["why"]} for r in mine if not r["clean"]],
         }
