@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 #: ``auto``: the online tuner (``SchedulerConfig(ordering="auto")``; it needs steps to tune: docs/tuning.md)
 COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned", "auto")
-#: commsched strategies: the orderings, and ``hierarchical`` (``dynamic`` with every piece
-#: reduced by the two-level algorithm, to attribute the algorithm's gain alone)
-COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical")
+#: commsched strategies: the orderings, ``hierarchical`` (``dynamic`` with every piece
+#: reduced by the two-level algorithm, to attribute the algorithm's gain alone) and ``slack``
+#: (``dynamic`` ranked by the seed's slack rule, ``priority="slack"``)
+COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical", "slack")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class StrategySpec:
     """A parsed ``--strategies`` entry."""
 
     name: str  # as the user wrote it, e.g. "ddp:4"
-    kind: str  # ddp | horovod | fifo | dynamic | static | planned | auto | hierarchical | allreduce
+    kind: str  # ddp | horovod | fifo | dynamic | static | planned | auto | hierarchical | slack | allreduce
     bucket_mb: float | None = None
 
     @property
@@ -26,7 +27,8 @@ class StrategySpec:
 
 
 def parse_strategies(text: str) -> list[StrategySpec]:
-    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static,auto,planned,hierarchical"``; ``ValueError`` on a bad entry."""
+    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static,auto,planned,hierarchical,slack"``; ``ValueError`` on a bad
+    entry."""
     specs = []
     for raw in text.split(","):
         name = raw.strip()
@@ -49,7 +51,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         else:
             raise ValueError(
                 f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, "
-                "dynamic, static, auto, planned, hierarchical or allreduce"
+                "dynamic, static, auto, planned, hierarchical, slack or allreduce"
             )
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")

@@ -1225,6 +1225,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                         "tuner": dict(self._tuner.stats() if self._tuner is not None else {},
                                       role="decides" if self.rank == 0 else "follows",
                                       switches=list(self._switches), next_decision=self._next_decision,
+                                      pending_decision=self._pending_decision,
                                       settings={k: self.config.__dict__[k] for k in (
                                           "ordering", "partition_bytes", "credit_bytes", "fusion_bytes")})}
         return {

@@ -16,6 +16,8 @@ name               what runs
                    them: docs/tuning.md)
 ``hierarchical``   commsched ``dynamic`` with every piece reduced by the two-level
                    algorithm on the bench's nodes (the algorithm's gain alone)
+``slack``          commsched ``dynamic`` ranked by the seed's slack rule
+                   (``priority="slack"``) on the bench's emulated topology (docs/tuning.md)
 ``allreduce``      backward, then one flat all-reduce (no overlap at all)
 =================  =========================================================
 
@@ -163,7 +165,7 @@ class CommschedStrategy(Strategy):
     def __init__(self, model: nn.Module, make_opt: Callable, ordering: str,
                  partition_bytes: int, credit_bytes: int, timeline: str | None, *,
                  plan: str | None = None, hierarchical: tuple[int, int] | None = None,
-                 topology: Any = None) -> None:
+                 topology: Any = None, priority: str = "layer") -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -176,7 +178,7 @@ class CommschedStrategy(Strategy):
             partition_bytes = credit_bytes = UNLIMITED_BYTES
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
-            cross_iteration=True, timeline=timeline, plan=plan,
+            cross_iteration=True, timeline=timeline, plan=plan, priority=priority,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config, topology=topology)
@@ -364,11 +366,14 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
     if spec.kind == "planned":
         return PlannedStrategy(model, make_opt, run_spec, rank, timeline)
-    if spec.kind == "auto":  # the tuner's cost-model start point sees the emulated network
+    if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 
         topology = Topology.emulated(run_spec["world_size"], run_spec["nodes"], run_spec.get("bandwidth") or "none",
                                      run_spec.get("intra_bandwidth"))
+        if spec.kind == "slack":
+            return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
+                                     run_spec["credit_bytes"], timeline, topology=topology, priority="slack")
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
                                  timeline, topology=topology)
     if spec.kind == "hierarchical":

@@ -254,9 +254,9 @@ class StepTimers:
             self.scheduler.__dict__.pop("submit", None)
 
 
-def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds of each live commsched thread of this process, by name without the rank
-    (``commsched-dispatch-r0`` -> ``dispatch``); threads of one name are summed."""
+def thread_cpu_s() -> dict[tuple[str, int], float]:
+    """CPU seconds of each live commsched thread of this process, keyed by (name without the rank,
+    thread id) (``commsched-dispatch-r0`` -> ``dispatch``); :func:`thread_cpu_delta` sums by name."""
     import threading
 
     out: dict[str, float] = {}
@@ -276,7 +276,17 @@ def thread_cpu_s() -> dict[str, float]:
             except (OSError, ValueError, IndexError):
                 continue
         name = t.name[len("commsched-"):].rsplit("-r", 1)[0]
-        out[name] = out.get(name, 0.0) + cpu
+        out[(name, t.native_id)] = cpu
+    return out
+
+
+def thread_cpu_delta(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float]) -> dict[str, float]:
+    """CPU seconds per thread name between two :func:`thread_cpu_s` samples, thread by thread: a
+    thread started in between counts from 0; one that ended in between is not counted (after an
+    ``auto`` switch the old scheduler's threads end and new ones of the same names start)."""
+    out: dict[str, float] = {}
+    for (name, tid), cpu in after.items():
+        out[name] = out.get(name, 0.0) + cpu - before.get((name, tid), 0.0)
     return out
 
 
@@ -315,6 +325,25 @@ def run_calibrate(spec: dict, rank: int, progress: Progress) -> dict:
 
 #: Timed steps (and all-reduces) of one calibration phase.
 CALIBRATE_REPS = 3
+
+
+#: ``auto``: at most this many warm-up steps beyond ``--warmup`` while the tuner searches (4 recorded
+#: steps + 20 samples of 6 steps: docs/tuning.md)
+AUTO_MAX_TUNING_STEPS = 124
+
+
+def tuning(opt: Any) -> bool:
+    """Whether ``ordering="auto"`` is still searching, by what every rank knows alike (the agreed
+    decisions): while searching, the next decision ends the current sample, at most settle +
+    sample steps ahead; a settled tuner's next decision is its drift check, ``check_every`` ahead."""
+    from commsched.plugins.torch.optimizer import TUNER_OPTIONS
+
+    stats = opt.stats()
+    tuner = stats["tuner"]
+    nxt = tuner.get("next_decision")
+    if nxt is None:  # a decision taken, to be read next step; else none yet, or no more
+        return tuner.get("pending_decision") is not None or not tuner.get("switches")
+    return nxt - stats["steps"] <= TUNER_OPTIONS["settle"] + TUNER_OPTIONS["sample_steps"] + 1
 
 
 def run_train(spec: dict, rank: int, progress: Progress) -> dict:
@@ -357,6 +386,12 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         for i in range(warmup):
             step()
             progress("warmup", i + 1, warmup)
+        if sspec.kind == "auto":  # measure the settled choice, not the search: warm up while it tunes
+            extra = 0
+            while extra < AUTO_MAX_TUNING_STEPS and tuning(strat.optimizer):
+                step()
+                extra += 1
+                progress("tuning", extra, AUTO_MAX_TUNING_STEPS)
         strat.synchronize()
         _barrier()
         starts.clear()
@@ -406,8 +441,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         "final_sync_s": end - t_sync,
         "final_sync_apply_s": sum(sync_apply.values()),
         "submit_s": submits if timers.scheduler is not None else None,
-        "sched_thread_cpu_s": ({k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
-                               if sspec.is_commsched else None),
+        "sched_thread_cpu_s": thread_cpu_delta(cpu0, cpu1) if sspec.is_commsched else None,
         "measured_pieces": (pieces1 - pieces0) if pieces0 is not None and pieces1 is not None else None,
         "cpu": cpu,
         "checksum": checksum,
