@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-__all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "parse_fusion", "parse_size",
-           "read_environment"]
+__all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "check_layer_priority", "parse_fusion",
+           "parse_size", "read_environment"]
 
 ENV_PREFIX = "COMMSCHED_"
 ORDERINGS = ("dynamic", "static", "fifo", "planned", "auto")
@@ -257,3 +257,12 @@ def check_config(config: Any) -> None:
         hint = f"commsched.SchedulerConfig(**{config!r})" if isinstance(config, dict) else \
             "commsched.SchedulerConfig(partition_bytes=..., credit_bytes=...)"
         raise TypeError(f"config must be a commsched.SchedulerConfig, got {type(config).__name__}; use config={hint}")
+
+
+def check_layer_priority(config: SchedulerConfig, plugin: str) -> None:
+    """What a plugin without the slack rule does with ``config``: ``priority="slack"`` is computed by the
+    PyTorch ``DistributedOptimizer`` from the profile of its first steps; ``plugin`` orders by layer."""
+    if config.priority != "layer":
+        raise ValueError(f"priority={config.priority!r} is computed by the PyTorch DistributedOptimizer from the "
+                         f"profile of its first steps; {plugin} ranks pieces by layer order: use priority='layer' "
+                         "(or unset COMMSCHED_PRIORITY)")

@@ -42,7 +42,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from commsched.config import SchedulerConfig, check_config
+from commsched.config import SchedulerConfig, check_config, check_layer_priority
 from commsched.errors import CommschedTimeout, OrderAgreementError, SchedulerClosed
 from commsched.lifecycle import Closeable, close_at_exit
 from commsched.partition import piece_bounds
@@ -108,6 +108,7 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         if not isinstance(gate, str) or gate not in _GATE_MODES:
             raise ValueError(f"gate={gate!r} is not one of {', '.join(_GATE_MODES)}")
         self.config = config if config is not None else SchedulerConfig()
+        check_layer_priority(self.config, "the MXNet KVStore")
         if gate == "engine" and not gate_mod.available():
             raise ValueError("gate='engine' needs MXEnginePushAsyncND in libmxnet, which this build lacks; "
                              "use gate='auto' or 'issue'")

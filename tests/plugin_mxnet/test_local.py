@@ -278,6 +278,8 @@ def test_the_backend_closes_twice_without_harm_and_leaves_no_thread():
     ({"update_on_kvstore": "yes"}, TypeError, r"update_on_kvstore='yes' must be True .* or False"),
     ({"update_on_kvstore": 1}, TypeError, r"update_on_kvstore=1 must be True"),
     ({"gate": ["auto"]}, ValueError, r"gate=\['auto'\] is not one of auto, engine, issue"),
+    ({"config": commsched.SchedulerConfig(priority="slack")}, ValueError,
+     r"priority='slack' is computed by the PyTorch DistributedOptimizer .* the MXNet KVStore ranks pieces by layer"),
 ])
 def test_bad_constructor_arguments_name_the_argument_and_the_fix_before_any_store_or_thread(
         kwargs, error, message, monkeypatch):
