@@ -171,6 +171,16 @@ class StoreServer:
         with self._cv:
             return len(self._data) + sum(len(q) for q in self._queues.values())
 
+    def data_keys(self) -> int:
+        """Keys set (values by key), without the queues."""
+        with self._cv:
+            return len(self._data)
+
+    def queued_values(self) -> int:
+        """Values waiting in queues (decisions a follower has not read yet: bounded, not constant)."""
+        with self._cv:
+            return sum(len(q) for q in self._queues.values())
+
     def close(self) -> None:
         """Stop serving: close every connection and join every thread. Safe to call twice."""
         with self._cv:
