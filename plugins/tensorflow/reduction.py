@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from commsched.config import SchedulerConfig, check_config
+from commsched.config import SchedulerConfig, check_config, check_layer_priority
 from commsched.errors import SchedulerClosed
 from commsched.plan import Plan as CommPlan
 from commsched.plan import PlanMismatch, PlannedTensor
@@ -132,6 +132,7 @@ class GradientReducer:
         if op not in OPS:
             raise ValueError(f"op={op!r}: use 'sum' or 'mean'")
         self.config = config if config is not None else SchedulerConfig()
+        check_layer_priority(self.config, "TensorFlow")
         self.backend = make_backend(backend, self.config.timeout_s)
         self.op = op
         #: whether the graph stamps its pieces (:mod:`.measure`; False: no stamps, report() times unmeasured)

@@ -293,6 +293,8 @@ def test_tape_returns_gradients_marked_as_reduced_and_unroll_runs_n_steps():
     ({"config": 4096}, TypeError, r"got int; use config=commsched.SchedulerConfig\(partition_bytes=\.\.\."),
     ({"backend": 1}, TypeError, r"backend must be a str \('collective' or 'horovod'\), got int"),
     ({"backend": "nccl"}, ValueError, r"backend='nccl' is not a TensorFlow backend; use one of"),
+    ({"config": commsched.SchedulerConfig(priority="slack")}, ValueError,
+     r"priority='slack' is computed by the PyTorch DistributedOptimizer .*TensorFlow ranks pieces by layer order"),
 ])
 def test_bad_constructor_arguments_name_the_argument_and_the_fix(make, kwargs, error, message):
     import threading
