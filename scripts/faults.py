@@ -270,7 +270,7 @@ def worker_tensorflow(w: Worker) -> None:
     import tensorflow as tf
 
     import commsched
-    from commsched.plugins.tensorflow import DistributedOptimizer
+    from commsched.plugins.tensorflow import DistributedOptimizer, function
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, timeout_s=w.timeout_s)
@@ -286,7 +286,8 @@ def worker_tensorflow(w: Worker) -> None:
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
 
-    step_fn = tf.function(lambda x, y: strategy.run(train_step, args=(x, y)))
+    # commsched's tf.function: a lost peer reaches the survivor as a CommschedError (plain tf.function: TF's)
+    step_fn = function(lambda x, y: strategy.run(train_step, args=(x, y)))
     rs = np.random.RandomState(w.rank)
     error = None
     step_s = 0.05
@@ -500,9 +501,6 @@ def run_kill(backend: str, seed: int, workdir: Path, timeout_s: float, sig: str 
         record["error_after_kill_s"] = round(result["time"] - killed["time"], 3)
         if result["error_type"] is None:
             why.append("the survivor finished without an error")
-        elif backend == "tensorflow":
-            if "commsched_" not in (result["error"] or ""):
-                why.append("the TF error does not name the commsched piece")
         elif not result["is_commsched"]:
             why.append(f"not a CommschedError: {result['error_type']}")
         if record["error_after_kill_s"] > timeout_s + SLACK_S:
