@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 __all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "check_layer_priority", "parse_fusion",
-           "parse_size", "read_environment"]
+           "parse_size", "read_environment", "read_terminal_environment"]
 
 ENV_PREFIX = "COMMSCHED_"
 ORDERINGS = ("dynamic", "static", "fifo", "planned", "auto")
@@ -56,6 +56,13 @@ def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
         if key in env:
             found[f.name] = env[key]
     return found
+
+
+def read_terminal_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``CI`` and ``TERM`` from ``environ`` (default ``os.environ``), for the progress display
+    (:func:`commsched.progress.wanted`): not settings, but read here with the rest."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in ("CI", "TERM") if k in env}
 
 
 def parse_size(value: Any, field: str = "size") -> int:

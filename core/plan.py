@@ -305,7 +305,7 @@ class Plan:
                 credit_bytes=int(data["credit_bytes"]), nodes=int(data.get("nodes", 1)),
                 ranks_per_node=int(data.get("ranks_per_node", 1)), topology=dict(data.get("topology", {})),
                 predicted=dict(data.get("predicted", {})), meta=dict(data.get("meta", {})))
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the plan is missing or mistypes a field ({exc!r}); see commsched.plan") from None
         stored = data.get("digest")
         if stored is not None and stored != plan.digest:

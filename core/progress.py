@@ -16,12 +16,13 @@ phase's result) are written either way: a log gets one line per phase, never a r
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any, TextIO
+
+from commsched.config import read_terminal_environment
 
 __all__ = ["Progress", "wanted", "RICH_EXTRA"]
 
@@ -41,11 +42,11 @@ def wanted(stream: TextIO | None = None, environ: Mapping[str, str] | None = Non
     """Whether a progress bar should be drawn on ``stream`` (default ``sys.stderr``).
 
     True only for a terminal, outside CI (``CI`` unset, empty, ``0`` or ``false``) and when
-    ``TERM`` is not ``dumb``. ``environ`` defaults to ``os.environ``; this is the one place
-    the progress display reads the environment.
+    ``TERM`` is not ``dumb``. ``environ`` defaults to the process environment, read through
+    :func:`commsched.config.read_terminal_environment` (config reads the environment, nothing else).
     """
     stream = sys.stderr if stream is None else stream
-    env = os.environ if environ is None else environ
+    env = read_terminal_environment(environ)
     if env.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
         return False
     if env.get("TERM", "") == "dumb":

@@ -207,7 +207,7 @@ class Profile:
                        step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                        per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})),
                        optimizer_step_s=data.get("optimizer_step_s"))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None
 

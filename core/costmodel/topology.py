@@ -284,7 +284,7 @@ class Topology:
                        source=data.get("source", "unknown"), meta=dict(data.get("meta", {})),
                        extra_s={str(k): float(v) for k, v in data.get("extra_s", {}).items()},
                        extra_s_per_byte={str(k): float(v) for k, v in data.get("extra_s_per_byte", {}).items()})
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the topology is missing or mistypes a field ({exc!r}); see "
                              "commsched.costmodel.topology for the schema") from None
 

@@ -150,3 +150,18 @@ def test_a_schema_error_names_the_file_too(kind, model_files, tmp_path):
     with pytest.raises(ValueError) as exc_info:
         cls.from_json(path)
     assert path in str(exc_info.value)
+
+
+def test_an_infinite_count_in_a_model_file_is_a_value_error(tmp_path):
+    """Found by the fuzz above (a numel of inf: int() raised OverflowError from inside from_dict)."""
+    import json
+
+    from commsched.costmodel.profile import Profile
+
+    data = {"schema": "commsched-profile/1",
+            "layers": [{"name": "l", "forward_s": 0.1, "backward_s": 0.2,
+                        "tensors": [{"name": "w", "numel": float("inf")}]}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="p.json: the profile is missing or mistypes a field"):
+        Profile.from_json(str(path))

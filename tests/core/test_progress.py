@@ -16,6 +16,13 @@ from commsched.progress import Progress, wanted
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True)
+def outside_ci(monkeypatch):
+    """Each test says which environment it means: CI runs this suite with CI=true (and may set TERM=dumb)."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+
+
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
