@@ -25,9 +25,9 @@ Backends and what "store keys" counts on each (``STORE_KEYS``):
 
 Pass criteria (issue 14's): RSS at the end less than 5 % above the baseline, the thread
 count the same at every sample after warm-up (except gRPC's ``event_engine`` pool under
-TensorFlow, which starts a thread when busy: reported, bounded by ``POOL_LIMIT``), the store's key count the same at every
-sample after warm-up (bounded: queues are popped, nothing accumulates), and every process
-exits with status 0 by itself.
+TensorFlow, which starts a thread when busy: reported, bounded by ``POOL_LIMIT``), the
+store's key count the same at every sample after warm-up (bounded: queues are popped,
+nothing accumulates), and every process exits with status 0 by itself.
 
 Usage::
 
