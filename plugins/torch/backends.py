@@ -57,18 +57,29 @@ class C10dStore:
         self._store = store
         self._popper: Optional["dist.Store"] = None
         self._popper_timeout: Optional[float] = None
+        self._getters = threading.local()  # per thread: a connection whose timeout bounds its get
 
     def set(self, key: str, value: bytes) -> None:
         self._store.set(key, value)
 
     def get(self, key: str, timeout_s: float) -> bytes:
+        # c10d's get of a missing key blocks for the store's own timeout (minutes), holding its
+        # connection: a key deleted between wait and get (the last rank to close cleans up while
+        # a completion thread reads the abort notice) hung the caller and every call queued behind
+        # it. So each thread reads through its own clone whose timeout is this call's.
+        local = self._getters
+        if getattr(local, "store", None) is None:
+            local.store, local.timeout = self._store.clone(), None
+        if local.timeout != timeout_s:
+            local.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+            local.timeout = timeout_s
         try:
-            self._store.wait([key], datetime.timedelta(seconds=timeout_s))
+            local.store.wait([key], datetime.timedelta(seconds=timeout_s))
+            return bytes(local.store.get(key))
         except Exception as exc:  # c10d raises DistStoreError/RuntimeError; only a timeout is a TimeoutError
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 raise TimeoutError(str(exc)) from None
             raise
-        return bytes(self._store.get(key))
 
     def check(self, key: str) -> bool:
         return bool(self._store.check([key]))
