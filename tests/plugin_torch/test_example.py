@@ -32,6 +32,8 @@ def test_torch_example_runs_under_torchrun(tmp_path, cross):
 
 # ------------------------------------------------- PyTorch's DDP tutorial shape, two lines changed
 _EXAMPLES = ROOT / "examples"
+#: what stock DDP's gloo teardown printed when it aborted at interpreter exit (seen once in CI)
+_STOCK_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _code(path: Path) -> list[str]:
@@ -87,6 +89,10 @@ def test_ddp_tutorial_under_torchrun_checkpoint_loads_on_every_rank_and_equals_d
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(_EXAMPLES / f"{name}.py"), "--epochs", "2", "--checkpoint", str(ckpt), "--json", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=tmp_path)
+        if name == "ddp_tutorial" and proc.returncode != 0 and _STOCK_EXIT_ABORT in proc.stderr:
+            # the reference is stock DDP, no commsched: its gloo teardown aborted at exit once in CI
+            # (both ranks, SIGABRT); run the reference again rather than fail commsched's check on it
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         results[name] = (json.loads(out.read_text()), torch.load(ckpt, weights_only=True))
     (ddp, ddp_ckpt), (ours, our_ckpt) = results["ddp_tutorial"], results["ddp_tutorial_commsched"]
