@@ -9,7 +9,10 @@ run. The graph stamps them itself: for every piece of one traced reduction it re
 plus ``start``, when the step's function began (a stamp with no input). A piece's
 ``issue`` time follows from them: its collective can start once its data exists and
 the previous collective on its ordering chain has finished, ``max(ready, done of the
-previous piece on the slot)``. The stamps never order pieces: a collective waits only
+previous piece on the slot)``, never later than its own ``done``: a ``done`` stamp is an op
+of its own, run when the executor gets to it, so the previous piece's may be taken after
+this piece's own (a local collective is over in microseconds; seen in CI), and the real
+start of a piece is never after its end. The stamps never order pieces: a collective waits only
 for the stamp of its own data (taken once that data exists, so ``ready <= issue``
 holds exactly), never for another piece's, so the chains are the tokens' alone. The stamps
 (``tf.timestamp``, seconds since the epoch, microsecond resolution) of the last
@@ -80,12 +83,13 @@ class Run:
 
     @property
     def issue(self) -> np.ndarray:
-        """When each piece could start: ``max(ready, done of the previous piece on its slot)``."""
+        """When each piece could start: ``max(ready, done of the previous piece on its slot)``,
+        at most its own ``done`` (the previous piece's done stamp may run late; module doc)."""
         issue = self.ready.copy()
         last: dict[int, float] = {}
         for k, slot in enumerate(self.slots):
             if slot in last:
-                issue[k] = max(issue[k], last[slot])
+                issue[k] = min(max(issue[k], last[slot]), float(self.done[k]))
             last[slot] = float(self.done[k])
         return issue
 
