@@ -5,7 +5,8 @@ Data flows down (``submit`` → pieces → ``Backend.start``), completions flow 
 policy's choice (:mod:`commsched.policy`); the state and its changes are
 :mod:`commsched.state`; rank 0's decisions travel by :mod:`commsched.protocol`;
 failures are named in :mod:`commsched.failures`. Threads (named, non-daemon, joined
-by ``close()``): ``dispatch`` starts what the policy allows; ``complete`` resolves
+by ``close()``): ``dispatch`` starts what the policy allows (on an engine that negotiates
+order, ``submit`` starts what fits at once, and ``dispatch`` what completions release); ``complete`` resolves
 futures and runs ``on_done`` (engine threads never run user code); ``publish`` (rank
 0) and ``order`` (the others) carry decisions under ``dynamic``/``static``.
 
@@ -92,6 +93,11 @@ class Scheduler(Closeable):
         self._dispatch_cv, self._complete_cv, self._publish_cv, self._idle_cv = (
             threading.Condition(self._lock) for _ in range(4))
         self._closing = self._closed = False
+        # An engine that negotiates order itself (Horovod) may get pieces from two threads at once, so
+        # submit() starts what the policy allows right away, on the caller's thread, and the dispatch
+        # thread only starts what completions release: one thread hop less per piece. An engine that
+        # runs collectives in issue order (gloo, NCCL) gets every piece from the dispatch thread alone.
+        self._inline = bool(backend.negotiates_order)
         self._threads: list[threading.Thread] = []
         self._spawn("dispatch", self._dispatch_loop)
         self._spawn("complete", self._complete_loop)
@@ -143,10 +149,17 @@ class Scheduler(Closeable):
         except CommschedError as exc:  # the plan has no place for it: every rank must hear of it
             self._fail(exc)
             raise
+        batch: list[Piece] = []
         with self._lock:
             self._check_usable()
             task = self._state.submit(name, priority, on_done, ready, tensor, bounds)
-            self._wake_for_new_work()
+            if self._inline:
+                batch = self._decide_locked()
+                if self._state.completed:
+                    self._complete_cv.notify()
+            else:
+                self._wake_for_new_work()
+        self._start(batch)
         return task.future
 
     def reserve(self, name: str, priority: int = 0, on_done: Callable[[Task], None] | None = None) -> Ticket:
@@ -312,26 +325,35 @@ class Scheduler(Closeable):
                 self._fail_locked(failures.refused(task.name, exc))
             self._wake_for_new_work()
 
+    def _decide_locked(self) -> list[Piece]:
+        """The pieces the policy starts now (lock held); wakes whoever its outcome concerns."""
+        batch = self._state.decide()
+        if self._state.error is not None:
+            self._wake_all()
+        if self._state.outbox:
+            self._publish_cv.notify()
+        return batch
+
+    def _start(self, batch: list[Piece]) -> None:
+        """Hand ``batch`` to the engine (lock not held); a piece the engine refuses completes with its error."""
+        for piece in batch:
+            done = functools.partial(self._on_piece_done, piece)
+            try:
+                self.backend.start(piece, done)
+            except BaseException as exc:
+                done(exc)
+
     def _dispatch_loop(self) -> None:
         while True:
             with self._lock:
                 while True:
                     if self._closing or self._state.error is not None:
                         return
-                    batch = self._state.decide()
-                    if self._state.error is not None:
-                        self._wake_all()
-                    if self._state.outbox:
-                        self._publish_cv.notify()
+                    batch = self._decide_locked()
                     if batch or self._state.error is not None:
                         break
                     self._dispatch_cv.wait()
-            for piece in batch:
-                done = functools.partial(self._on_piece_done, piece)
-                try:
-                    self.backend.start(piece, done)
-                except BaseException as exc:
-                    done(exc)
+            self._start(batch)
 
     def _on_piece_done(self, piece: Piece, exc: Optional[BaseException]) -> None:
         if self._closed:  # a late completion: close() already failed the futures and joined our threads

@@ -360,7 +360,8 @@ def _import_horovod() -> Any:
 
 
 class HorovodBackend:
-    """Pieces as ``hvd.allreduce_async_`` sums; a named waiter thread reports completions.
+    """Pieces as ``hvd.allreduce_async_`` sums (or averages, :meth:`average_in_engine`); a named waiter
+    thread reports completions.
 
     Nothing here ever blocks in Horovod without a bound. Horovod offers no wait with a
     timeout (``hvd.synchronize`` waits for ever), and a handle can stay incomplete for
@@ -397,15 +398,27 @@ class HorovodBackend:
         self._close_deadline = 0.0
         self._broken: Optional[tuple[float, BaseException]] = None  # (when, Horovod's first error)
         self._collectives = 0  # object/tensor broadcasts and gathers so far (the same on every rank)
+        self._op, self._prescale, self._postscale = hvd.Sum, 1.0, 1.0  # see average_in_engine
         self._thread = threading.Thread(target=self._wait_loop, name=f"commsched-horovod-r{self.rank}", daemon=False)
         self._thread.start()
+
+    def average_in_engine(self, predivide: float = 1.0) -> bool:
+        """From now on every piece is averaged by Horovod itself, as ``hvd.DistributedOptimizer(op=hvd.Average,
+        gradient_predivide_factor=f)`` does: scaled by ``1/f`` before the sum and ``f/size`` after it, in
+        Horovod's C++ loop over its fusion buffer, while the data is there. The optimizer then neither
+        divides each gradient before submitting it nor each reduced tensor on the completion thread (a
+        pass over every gradient in Python, twice with a predivide factor), and the result is bit for bit
+        Horovod's own optimizer's. Returns True (the optimizer skips its own divisions)."""
+        self._op, self._prescale, self._postscale = self._hvd.Average, 1.0 / float(predivide), float(predivide)
+        return True
 
     def start(self, piece: Any, done: Callable[[Optional[BaseException]], None]) -> None:
         if not self._hvd.is_initialized():
             raise CommschedError("Horovod was shut down while commsched still had pieces to reduce; call "
                                  "opt.synchronize() and opt.close() before hvd.shutdown()")
         name = f"commsched.{piece.name}"
-        handle = self._hvd.allreduce_async_(piece.view, name=name, op=self._hvd.Sum)
+        handle = self._hvd.allreduce_async_(piece.view, name=name, op=self._op, prescale_factor=self._prescale,
+                                            postscale_factor=self._postscale)
         with self._cv:
             if self._closing:
                 raise CommschedError("this Horovod backend is closed; create a new DistributedOptimizer")

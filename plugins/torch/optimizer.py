@@ -486,6 +486,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self.backend = backend
         self.rank = self._backend.rank
         self.world_size = self._backend.world_size
+        # Horovod averages in its own C++ loop (prescale 1/f, postscale f/size), as hvd.DistributedOptimizer
+        # does: no division pass over each gradient in Python before submit or on the completion thread
+        average_in_engine = getattr(self._backend, "average_in_engine", None)
+        self._engine_averages = self._op == "average" and average_in_engine is not None and \
+            average_in_engine(self._predivide)
         self._fusions: list[_Fusion] = []
         self.plan: Optional[Plan] = None
         self._engine = _Reusable(self._backend) if self._adaptive else self._backend
@@ -849,8 +854,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     def _submit_alone(self, state: _ParamState, grad: torch.Tensor) -> None:
         """Submit ``grad`` (``state``'s gradient, which ``p.grad`` no longer holds cross-iteration) as a task."""
         buffer = grad if grad.is_contiguous() else grad.contiguous()
-        if self._predivide != 1.0:  # Horovod's gradient_predivide_factor: f before the sum, size/f after
-            buffer.div_(self._predivide)
+        if self._predivide != 1.0 and not self._engine_averages:
+            buffer.div_(self._predivide)  # Horovod's gradient_predivide_factor: f before the sum, size/f after
         state.copy_back = grad if buffer is not grad else None
         state.grad = buffer
         ready = None
@@ -861,8 +866,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             # the division runs on the communication stream after the last piece (cuda.py).
             ready = state.cuda = CudaTask(streams, streams.record_ready(buffer),
                                           self._divisor() if self._op == "average" else None)
-        state.future = self._scheduler.submit(state.name, buffer, state.priority, on_done=self._after_reduce,
-                                              ready=ready)
+        state.future = self._scheduler.submit(state.name, buffer, state.priority, ready=ready,
+                                              on_done=None if self._engine_averages else self._after_reduce)
 
     def _submit_fused(self, state: _ParamState, grad: torch.Tensor) -> None:
         """One member of a fusion group is ready; the last one copies all into the buffer and submits it."""
@@ -887,7 +892,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         with torch.no_grad():
             for s, (lo, hi) in zip(fusion.members, fusion.bounds, strict=True):
                 buffer[lo:hi].copy_(arrived[id(s)].reshape(-1))
-            if self._predivide != 1.0:
+            if self._predivide != 1.0 and not self._engine_averages:
                 buffer.div_(self._predivide)
         ready = None
         streams_for = getattr(self._backend, "streams_for", None)
@@ -899,7 +904,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             s.copy_back = None if self._cross else arrived[id(s)]
             s.cuda = ready
         future = self._scheduler.submit(fusion.name, buffer, min(s.priority for s in fusion.members),
-                                        on_done=self._after_reduce, ready=ready)
+                                        on_done=None if self._engine_averages else self._after_reduce, ready=ready)
         for s in fusion.members:
             s.future = future
 
@@ -911,7 +916,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         # Completion thread: average. The tensor is owned by us (cross-iteration) or
         # not read by the user before synchronize() (synchronous path). On the CUDA
         # stream/event path the division is on the communication stream already.
-        if isinstance(task.ready, CudaTask):
+        if isinstance(task.ready, CudaTask) or self._engine_averages:  # averaged already (stream, Horovod)
             return
         if self._op == "average":
             task.tensor.div_(self._divisor())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import threading
+import time
 
 import pytest
 
@@ -371,6 +372,38 @@ def test_with_an_engine_that_negotiates_order_only_rank0_paces_and_the_others_is
     submitted_1 = [f"{names[i]}#{k}" for i in order[1] for k in range(2)]
     assert world.issued[1] == submitted_1  # rank 1 issues in its own ready order, without waiting
     assert sorted(world.issued[0]) == sorted(submitted_1)
+
+
+def test_on_an_engine_that_negotiates_order_submit_starts_what_fits_on_its_own_thread():
+    # One thread hop less per piece: submit() starts what the credit allows at once, on the caller's
+    # thread; what the credit holds back starts from the dispatch thread once a completion frees it.
+    started: list[tuple[str, str]] = []
+    held: list = []
+    lock = threading.Lock()
+
+    def start(_self, piece, done):
+        with lock:
+            started.append((piece.name, threading.current_thread().name))
+            held.append(done)
+
+    backend = type("Negotiating", (), {"rank": 0, "world_size": 1, "negotiates_order": True, "start": start})()
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10)
+    with Scheduler(backend, ArrayOps(), cfg) as sched:
+        futures = [sched.submit(f"t{i}", doubles(2, 1.0), priority=i) for i in range(3)]  # 16 B each
+        me = threading.current_thread().name
+        assert started == [("t0#0", me), ("t1#0", me)]  # within the 32 B credit, at once, here
+        with lock:
+            first = held.pop(0)
+        first(None)  # t0 lands: its credit lets t2 go, from the dispatch thread
+        deadline = time.monotonic() + 5
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert started[2] == ("t2#0", "commsched-dispatch-r0")
+        for done in list(held):
+            done(None)
+        sched.mark_step()
+        for f in futures:
+            sched.wait(f, timeout=5)
 
 
 def test_a_name_submitted_twice_in_a_step_before_it_started_is_rejected():

@@ -25,7 +25,7 @@ TIMEOUT_S = 0.5
 class FakeHorovod:
     """The calls HorovodBackend makes; ``finish(name, error=None)`` completes an operation."""
 
-    Sum = "sum"
+    Sum, Average = "sum", "average"
 
     def __init__(self, rank: int = 0, size: int = 2) -> None:
         self._rank, self._size = rank, size
@@ -51,7 +51,8 @@ class FakeHorovod:
             self._ops[handle] = {"name": name, "done": False, "error": None, "output": output}
             return handle
 
-    def allreduce_async_(self, tensor, name, op):
+    def allreduce_async_(self, tensor, name, op, prescale_factor=1.0, postscale_factor=1.0):
+        self.last_allreduce = (op, prescale_factor, postscale_factor)
         return self._new(name, tensor)
 
     def broadcast_async_(self, tensor, root_rank, name):
@@ -84,7 +85,19 @@ class FakeHorovod:
 def fake(monkeypatch):
     hvd = FakeHorovod()
     monkeypatch.setattr(backends, "_import_horovod", lambda: hvd)
-    return hvd
+    made = []
+    init = backends.HorovodBackend.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(backends.HorovodBackend, "__init__", tracked)
+    yield hvd
+    for backend in made:  # a failed test must not leave its (non-daemon) waiter holding the process open
+        for name in [e[2] for e in backend._handles]:
+            hvd.finish(name)
+        backend.close()
 
 
 def piece(name: str):
@@ -123,6 +136,20 @@ def test_completions_are_reported_once_each_in_the_order_horovod_finishes_them(f
     assert [out.got[n][0][0] for n in "cab"] == sorted(out.got[n][0][0] for n in "abc")
     assert fake.synchronized == ["commsched.c", "commsched.a", "commsched.b"]
     assert not backend._thread.is_alive()
+
+
+def test_average_in_engine_asks_horovod_for_its_own_average_with_the_predivide_factor(fake):
+    backend = backends.HorovodBackend(TIMEOUT_S)
+    out = Outcomes()
+    backend.start(piece("sum"), out.done_for("sum"))
+    assert fake.last_allreduce == ("sum", 1.0, 1.0)  # a plain sum until the optimizer asks
+    assert backend.average_in_engine(4.0) is True
+    backend.start(piece("avg"), out.done_for("avg"))
+    assert fake.last_allreduce == ("average", 0.25, 4.0)  # hvd.DistributedOptimizer's prescale 1/f, postscale f
+    for name in ("sum", "avg"):
+        fake.finish(f"commsched.{name}")
+    out.wait_for(["sum", "avg"], 5.0)
+    backend.close()
 
 
 def test_a_handle_horovod_never_completes_fails_soon_after_horovod_failed_another(fake):
