@@ -206,8 +206,14 @@ class SchedulerState:
         return [], self.completed.popleft()
 
     def finished(self, task: Task, error: BaseException | None) -> bool:
-        """``task``'s ``on_done`` ran (``error`` if it raised); True if that failed the state."""
+        """``task``'s ``on_done`` ran (``error`` if it raised); True if that failed the state.
+
+        The task lets go of its pieces (each names its task, so the two made a reference cycle):
+        the tensor is freed as soon as the plugin drops it, not at the next garbage collection,
+        which never comes where the collector is off (``timeit`` turns it off while it times,
+        so every step's gradients stayed alive and each step allocated fresh ones)."""
         self.pending.pop(id(task), None)
+        task.pieces = []
         return error is not None and self.fail(error)
 
     def fail(self, error: BaseException) -> bool:
