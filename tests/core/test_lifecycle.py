@@ -274,3 +274,4 @@ def test_a_reduced_task_leaves_no_reference_cycle_behind():
         assert alive == [], f"{len(alive)} of {len(refs) - 1} reduced tensors are only freed by the garbage collector"
     finally:
         gc.enable()
+        world.close()  # its link thread is not a daemon: left running it holds the test process open
