@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(one tbf on the node's loopback), or 'none' (default)")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                         help=f"comma-separated: ddp, ddp:<bucket MB>, horovod, fifo, dynamic, "
-                             f"static, allreduce (default {DEFAULT_STRATEGIES})")
+                             f"dynamic:<partition>/<credit> (e.g. dynamic:1MiB/4MiB, 'none' for no limit; "
+                             f"also static:...), static, auto, planned, hierarchical, slack, allreduce "
+                             f"(default {DEFAULT_STRATEGIES})")
     parser.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
     parser.add_argument("--json", required=True, metavar="PATH", help="write the report here")

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from commsched.bench.netns import Cluster, NetnsCluster
 from commsched.bench.procs import WorkerError, WorkerGroup, free_ports
 from commsched.bench.report import median
-from commsched.bench.spec import StrategySpec
+from commsched.bench.spec import StrategySpec, file_safe
 from commsched.progress import Progress
 
 #: Inside a namespace the port space is the run's own: any fixed port is free.
@@ -124,8 +124,7 @@ class Runner:
         c = self.config
         timeline = None
         if strategy is not None and c.timeline_dir:
-            safe = strategy.replace(":", "_")
-            timeline = os.path.abspath(os.path.join(c.timeline_dir, f"{safe}.json"))
+            timeline = os.path.abspath(os.path.join(c.timeline_dir, f"{file_safe(strategy)}.json"))
         return {
             "run_dir": run_dir, "mode": mode, "workload": c.workload,
             "batch_size": c.batch_size, "seed": c.seed, "steps": c.steps, "warmup": c.warmup,
@@ -144,7 +143,7 @@ class Runner:
     def run_phase(self, index: int, name: str, mode: str,
                   strategy: str | None = None) -> PhaseResult:
         """Launch every rank for one phase, wait, and read their result files."""
-        run_dir = os.path.join(self.work_dir, f"{index:02d}_{name.replace(':', '_')}")
+        run_dir = os.path.join(self.work_dir, f"{index:02d}_{file_safe(name)}")
         os.makedirs(run_dir)
         port = NETNS_MASTER_PORT if isinstance(self.cluster, NetnsCluster) \
             else free_ports(1)[0]

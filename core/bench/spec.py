@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from commsched.config import parse_size
+from commsched.tuner import UNLIMITED_BYTES  # ``none`` in ``dynamic:<partition>/<credit>``, as the tuner's
+#: The orderings whose piece size and credit a strategy name may set: ``dynamic:1MiB/4MiB``
+#: (a point of a grid search over piece size x credit, to compare ``auto`` with: docs/tuning.md)
+SIZED_KINDS = ("dynamic", "static")
+
 #: ``auto``: the online tuner (``SchedulerConfig(ordering="auto")``; it needs steps to tune: docs/tuning.md)
 COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned", "auto")
 #: commsched strategies: the orderings, ``hierarchical`` (``dynamic`` with every piece
@@ -19,6 +25,10 @@ class StrategySpec:
     name: str  # as the user wrote it, e.g. "ddp:4"
     kind: str  # ddp | horovod | fifo | dynamic | static | planned | auto | hierarchical | slack | allreduce
     bucket_mb: float | None = None
+    #: ``dynamic:<partition>/<credit>``: this strategy's own piece size and credit in bytes
+    #: (``UNLIMITED_BYTES`` for ``none``); None: the run's ``--partition-mb``/``--credit-mb``
+    partition_bytes: int | None = None
+    credit_bytes: int | None = None
 
     @property
     def is_commsched(self) -> bool:
@@ -26,9 +36,31 @@ class StrategySpec:
         return self.kind in COMMSCHED_KINDS
 
 
+def file_safe(name: str) -> str:
+    """``name`` as part of a file name: ``ddp:4`` -> ``ddp_4``, ``dynamic:1MiB/4MiB`` -> ``dynamic_1MiB_4MiB``."""
+    return name.replace(":", "_").replace("/", "_")
+
+
+def _sized(name: str, kind: str, arg: str) -> StrategySpec:
+    """``dynamic:<partition>/<credit>`` (sizes as ``SchedulerConfig`` takes them, or ``none``)."""
+    part, slash, credit = arg.partition("/")
+    if not slash:
+        raise ValueError(f"strategy {name!r}: give the piece size and the credit as {kind}:<partition>/<credit>, "
+                         f"e.g. {kind}:1MiB/4MiB ('none' for no limit)")
+
+    def size(text: str, what: str) -> int:
+        if text.strip().lower() == "none":
+            return UNLIMITED_BYTES
+        try:
+            return parse_size(text.strip(), what)
+        except ValueError as exc:
+            raise ValueError(f"strategy {name!r}: {exc} (or 'none' for no limit)") from None
+    return StrategySpec(name, kind, partition_bytes=size(part, "partition"), credit_bytes=size(credit, "credit"))
+
+
 def parse_strategies(text: str) -> list[StrategySpec]:
-    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,static,auto,planned,hierarchical,slack"``; ``ValueError`` on a bad
-    entry."""
+    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,dynamic:1MiB/4MiB,static,auto,planned,hierarchical,slack"``;
+    ``ValueError`` on a bad entry."""
     specs = []
     for raw in text.split(","):
         name = raw.strip()
@@ -48,10 +80,12 @@ def parse_strategies(text: str) -> list[StrategySpec]:
             specs.append(StrategySpec(name, "ddp", mb))
         elif kind in ("horovod", "allreduce", *COMMSCHED_KINDS) and not arg:
             specs.append(StrategySpec(name, kind))
+        elif kind in SIZED_KINDS:
+            specs.append(_sized(name, kind, arg))
         else:
             raise ValueError(
                 f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, "
-                "dynamic, static, auto, planned, hierarchical, slack or allreduce"
+                "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, slack or allreduce"
             )
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")

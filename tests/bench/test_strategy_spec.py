@@ -52,3 +52,42 @@ def test_the_auto_warm_up_runs_while_the_tuner_searches_by_what_every_rank_knows
     assert not tuning(Opt(30, switches=[{}]))  # no more decisions
     # scheduler threads replaced by a switch: counted thread by thread, never negative
     assert thread_cpu_delta({("dispatch", 1): 5.0}, {("dispatch", 2): 0.25}) == {"dispatch": 0.25}
+
+
+def test_a_grid_point_names_its_own_piece_size_and_credit():
+    from commsched.bench.spec import UNLIMITED_BYTES
+
+    specs = parse_strategies("dynamic:1MiB/4MiB,static:256KiB/none,dynamic")
+    assert [(s.kind, s.partition_bytes, s.credit_bytes) for s in specs] == [
+        ("dynamic", 1 << 20, 4 << 20), ("static", 256 << 10, UNLIMITED_BYTES), ("dynamic", None, None)]
+    assert all(s.is_commsched for s in specs)
+    assert [s.name for s in specs] == ["dynamic:1MiB/4MiB", "static:256KiB/none", "dynamic"]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("dynamic:1MiB", r"dynamic:<partition>/<credit>, e\.g\. dynamic:1MiB/4MiB"),
+    ("dynamic:lots/4MiB", r"'dynamic:lots/4MiB'.*partition='lots' is not a byte count.*or 'none'"),
+    ("static:1MiB/0", r"credit='0' must be a positive number of bytes"),
+    ("fifo:1MiB/4MiB", r"unknown strategy 'fifo:1MiB/4MiB'.*dynamic:<partition>/<credit>"),
+])
+def test_a_bad_grid_point_says_what_to_write(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_strategies(text)
+
+
+def test_a_grid_point_runs_with_its_own_sizes_and_a_plain_one_with_the_runs(monkeypatch):
+    pytest.importorskip("torch")
+    import commsched.plugins.torch.bench.strategies as strategies
+
+    made = []
+
+    class Recorder:
+        def __init__(self, model, make_opt, ordering, partition_bytes, credit_bytes, timeline, **kw):
+            made.append((ordering, partition_bytes, credit_bytes))
+
+    run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20}
+    monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
+    for spec in parse_strategies("dynamic:1MiB/none,dynamic,static:64KiB/2MiB"):
+        strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
+    assert made == [("dynamic", 1 << 20, strategies.UNLIMITED_BYTES), ("dynamic", 4 << 20, 16 << 20),
+                    ("static", 64 << 10, 2 << 20)]

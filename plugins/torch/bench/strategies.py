@@ -381,8 +381,10 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
                                  run_spec["credit_bytes"], timeline,
                                  hierarchical=(nodes, run_spec["world_size"] // nodes))
-    return CommschedStrategy(model, make_opt, spec.kind, run_spec["partition_bytes"],
-                             run_spec["credit_bytes"], timeline)
+    # dynamic:<partition>/<credit> (a grid point): its own sizes; else the run's --partition-mb/--credit-mb
+    partition = spec.partition_bytes if spec.partition_bytes is not None else run_spec["partition_bytes"]
+    credit = spec.credit_bytes if spec.credit_bytes is not None else run_spec["credit_bytes"]
+    return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline)
 
 
 def unavailable_reason(spec: StrategySpec) -> str | None:
