@@ -915,8 +915,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     def _after_reduce(self, task: Task) -> None:
         # Completion thread: average. The tensor is owned by us (cross-iteration) or
         # not read by the user before synchronize() (synchronous path). On the CUDA
-        # stream/event path the division is on the communication stream already.
-        if isinstance(task.ready, CudaTask) or self._engine_averages:  # averaged already (stream, Horovod)
+        # stream/event path the division is on the communication stream already; an engine
+        # that averages itself (Horovod) submits with on_done=None and never gets here.
+        if isinstance(task.ready, CudaTask):
             return
         if self._op == "average":
             task.tensor.div_(self._divisor())
