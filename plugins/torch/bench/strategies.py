@@ -38,13 +38,12 @@ import torch
 import torch.distributed as dist
 from commsched.plugins.horovod_gloo import horovod_gloo_rendezvous
 from commsched.bench.spec import StrategySpec, parse_strategies
+# UNLIMITED_BYTES: with pieces and credit this big, commsched neither cuts tensors nor holds any back,
+# i.e. it only keeps the backward (FIFO) order
+from commsched.tuner import UNLIMITED_BYTES
 from torch import nn
 
 __all__ = ["StrategySpec", "StrategyUnavailable", "make_strategy", "parse_strategies", "unavailable_reason"]
-
-#: "Very large": with pieces and credit this big, commsched neither cuts
-#: tensors nor holds any back, i.e. it only keeps the backward (FIFO) order.
-UNLIMITED_BYTES = 1 << 40
 
 
 class StrategyUnavailable(RuntimeError):
