@@ -196,3 +196,35 @@ def test_bad_calibration_arguments_exit_2_naming_the_fix(argv, fix, capsys):
     cli.add_arguments(parser)
     assert cli.run(parser.parse_args([*argv, "--json", "/nonexistent/never.json"])) == 2
     assert fix in capsys.readouterr().err
+
+
+def test_submit_is_timed_on_the_scheduler_in_use_after_auto_replaced_the_first():
+    """``auto`` replaces its scheduler at each switch: the bench times ``submit`` of the one it
+    settled on (``StepTimers.watch``), and the first one is left as it was."""
+    pytest.importorskip("torch")
+    from commsched.plugins.torch.bench.worker import StepTimers
+
+    class Sched:
+        def __init__(self):
+            self.calls = 0
+
+        def submit(self, *args, **kwargs):
+            self.calls += 1
+            return "future"
+
+    first, settled = Sched(), Sched()
+    strat = type("Strat", (), {"optimizer": type("Opt", (), {"_scheduler": first})()})()
+    timers = StepTimers(strat, None)
+    try:
+        assert first.submit("g") == "future" and "submit" in first.__dict__  # timed
+        timers.watch(settled)
+        assert "submit" not in first.__dict__ and "submit" in settled.__dict__
+        timers.take()
+        assert settled.submit("g") == "future" and settled.calls == 1
+        _, submit_s = timers.take()
+        assert submit_s > 0
+        first.submit("g")  # no longer counted
+        assert timers.take()[1] == 0.0
+    finally:
+        timers.close()
+    assert "submit" not in settled.__dict__

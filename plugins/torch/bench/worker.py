@@ -218,18 +218,29 @@ class StepTimers:
         pre = register_optimizer_step_pre_hook(self._pre)
         post = register_optimizer_step_post_hook(self._post)
         self._handles = [pre, post]
-        self.scheduler = getattr(getattr(strat, "optimizer", None), "_scheduler", None)
+        self.scheduler: Any = None
+        self.watch(getattr(getattr(strat, "optimizer", None), "_scheduler", None))
+
+    def watch(self, scheduler: Any) -> None:
+        """Time ``scheduler.submit`` from now on, and no longer the one timed before (``auto``
+        replaces its scheduler at every switch: the bench calls this once the tuner settled)."""
+        if scheduler is self.scheduler:
+            return
         if self.scheduler is not None:
-            real = self.scheduler.submit
+            self.scheduler.__dict__.pop("submit", None)
+        self.scheduler = scheduler
+        if scheduler is None:
+            return
+        real = scheduler.submit
 
-            def timed_submit(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    self.submit_s += time.perf_counter() - t0
+        def timed_submit(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.submit_s += time.perf_counter() - t0
 
-            self.scheduler.submit = timed_submit  # this object only; removed in close()
+        scheduler.submit = timed_submit  # this object only; removed by close() or the next watch()
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._stack:
@@ -392,6 +403,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
                 step()
                 extra += 1
                 progress("tuning", extra, AUTO_MAX_TUNING_STEPS)
+            timers.watch(getattr(strat.optimizer, "_scheduler", None))  # the settled one, not the first
         strat.synchronize()
         _barrier()
         starts.clear()
