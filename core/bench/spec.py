@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from commsched.config import parse_size
-from commsched.tuner import UNLIMITED_BYTES  # ``none`` in ``dynamic:<partition>/<credit>``, as the tuner's
+from commsched.tuner import UNLIMITED_BYTES  # what ``none`` means in ``dynamic:<partition>/<credit>``
+
 #: The orderings whose piece size and credit a strategy name may set: ``dynamic:1MiB/4MiB``
 #: (a point of a grid search over piece size x credit, to compare ``auto`` with: docs/tuning.md)
 SIZED_KINDS = ("dynamic", "static")
@@ -49,10 +50,11 @@ def _sized(name: str, kind: str, arg: str) -> StrategySpec:
                          f"e.g. {kind}:1MiB/4MiB ('none' for no limit)")
 
     def size(text: str, what: str) -> int:
-        if text.strip().lower() == "none":
+        text = text.strip()
+        if text.lower() == "none":
             return UNLIMITED_BYTES
         try:
-            return parse_size(text.strip(), what)
+            return parse_size(text, what)
         except ValueError as exc:
             raise ValueError(f"strategy {name!r}: {exc} (or 'none' for no limit)") from None
     return StrategySpec(name, kind, partition_bytes=size(part, "partition"), credit_bytes=size(credit, "credit"))
