@@ -133,6 +133,29 @@ def cpu_use(ranks: list[dict], key: str) -> dict[str, float | None]:
     return {"cpu_busy": windows[0]["cpu_busy"], "workers_busy": own}
 
 
+def comm_contention(spans: Sequence[Sequence[float]], comm_alone_s: float | None) -> float | None:
+    """How many times slower the all-reduce ran while compute ran beside it (>= 1).
+
+    ``spans``: per repetition, (compute ended, all-reduce ended), both from the
+    all-reduce's start; ``comm_alone_s``: the same all-reduce with nothing beside it.
+    When the all-reduce ended first (c <= k) all of it ran under compute: λ = c / C.
+    Otherwise its first k seconds ran at 1/λ and the rest at full speed:
+    C = k/λ + (c - k), so λ = k / (C - (c - k)); a repetition whose tail alone took
+    longer than C (a slow outlier) says nothing and is skipped. The median of the
+    repetitions, at least 1; ``None`` without a usable one.
+    """
+    if not comm_alone_s or comm_alone_s <= 0:
+        return None
+    values = []
+    for k, c in spans:
+        if c <= k:
+            values.append(c / comm_alone_s)
+        elif comm_alone_s - (c - k) > 0:
+            values.append(k / (comm_alone_s - (c - k)))
+    lam = median(values)
+    return None if lam is None else max(1.0, lam)
+
+
 def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     """The run's reference numbers from the baseline phase's per-rank results."""
     fwd = _max_over_ranks(ranks, "forward_s")
@@ -160,6 +183,9 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
         # Below 1 the all-reduce ended before compute did: only part of the
         # compute ran under communication.
         "under_comm_coverage": min(1.0, median([c / max(k, 1e-9) for k, c in spans])),
+        # the other way round: the all-reduce under compute / alone (rank 0's own medians)
+        "comm_under_compute_s": median([c for _, c in spans]),
+        "comm_contention": comm_contention(spans, median(ranks[0].get("comm_s") or [])),
         "lower_bound_s": lower,
         "no_overlap_s": compute + comm,
         "ddp_model_s": fwd + max(bwd, comm) + optim,

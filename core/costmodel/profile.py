@@ -92,7 +92,11 @@ class Profile:
 
     ``contention`` ≥ 1: compute runs this many times slower while communication is in
     progress on the same machine (measured: forward + backward under a concurrent
-    all-reduce / alone). ``step_overhead_s``: per step, outside the layers (loss, data).
+    all-reduce / alone). ``comm_contention`` ≥ 1: the other way round, communication
+    runs this many times slower while compute runs (on CPUs the engine's reductions and
+    copies share the cores with the model; measured: the same all-reduce under compute /
+    alone; 1 where the source did not measure it, e.g. the zoo's GPUs).
+    ``step_overhead_s``: per step, outside the layers (loss, data).
     ``per_piece_cpu_s``: the scheduler's own CPU per piece (``python -m
     commsched.bench.overhead``). ``optimizer_step_s``: the wrapped optimizer's own
     ``step()`` over all parameters at once, as DDP, Horovod and the synchronous path
@@ -108,6 +112,7 @@ class Profile:
     per_piece_cpu_s: float = 12e-6
     optimizer_step_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    comm_contention: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -121,6 +126,9 @@ class Profile:
             raise ValueError("tensor names must be unique across layers")
         if not (math.isfinite(self.contention) and self.contention >= 1.0):
             raise ValueError(f"contention={self.contention!r} must be >= 1 (compute under communication / alone)")
+        if not (math.isfinite(self.comm_contention) and self.comm_contention >= 1.0):
+            raise ValueError(f"comm_contention={self.comm_contention!r} must be >= 1 "
+                             "(communication under compute / alone)")
         _check_time("profile", "step_overhead_s", self.step_overhead_s)
         _check_time("profile", "per_piece_cpu_s", self.per_piece_cpu_s)
         if self.optimizer_step_s is not None:
@@ -179,7 +187,8 @@ class Profile:
         return Profile(layers=layers, source=source or self.source, batch_size=self.batch_size,
                        contention=self.contention, step_overhead_s=self.step_overhead_s * compute,
                        per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta),
-                       optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute)
+                       optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
+                       comm_contention=self.comm_contention)
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +213,7 @@ class Profile:
                               for t in layer.get("tensors", ()))) for layer in data["layers"])
             return cls(layers=layers, source=data.get("source", "unknown"), batch_size=data.get("batch_size"),
                        contention=float(data.get("contention", 1.0)),
+                       comm_contention=float(data.get("comm_contention", 1.0)),
                        step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                        per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})),
                        optimizer_step_s=data.get("optimizer_step_s"))

@@ -7,7 +7,9 @@ order) and the **network** (collectives one after another, each costing
 :func:`commsched.costmodel.collectives.allreduce_s` on the topology plus the
 scheduler's CPU per piece). That is what keeps 128 ranks × a 70B decoder well under
 a second. While a collective is on the network, compute runs ``profile.contention``
-times slower (the two share the machine's CPUs; measured by the profiler).
+times slower, and while compute runs, what is left of each collective in flight runs
+``profile.comm_contention`` times slower (the two share the machine's CPUs; both
+measured by the profiler from one all-reduce beside one step; 1 for the zoo's GPUs).
 
 The commsched strategies (``fifo``, ``dynamic``, ``static``) are not a second
 implementation: their pieces are the scheduler's own :class:`~commsched.task.Task`
@@ -176,8 +178,12 @@ class _Sim:
         # threads) passes "rs" (intra reduce-scatter), "ar" (inter all-reduce), "ag" (intra
         # all-gather), so consecutive pieces overlap their phases.
         self.queues: dict[str, collections.deque] = {name: collections.deque() for name in SERVERS}
-        self.current: dict[str, tuple[float, Callable[[], None]] | None] = {name: None for name in SERVERS}
+        # per server: [end time, on_done, index in net_spans, trace event or None]
+        self.current: dict[str, list | None] = {name: None for name in SERVERS}
         self.net_spans: list[tuple[float, float]] = []
+        # Communication runs profile.comm_contention times slower while the compute lane
+        # works; ``net_slow`` is whether the collectives in flight are timed that way now.
+        self.net_slow = False
         self.collectives = 0
         # compute lane: (kind, label, work seconds, precondition, on_done); kind "mark" records a step
         # boundary, "fire" only calls on_done, the others occupy the lane for their work
@@ -212,12 +218,34 @@ class _Sim:
             return
         nbytes, label, done, extra, algorithm, seconds = queue.popleft()
         duration = (self.collective_s(nbytes, algorithm) if seconds is None else seconds) + extra
-        self.current[server] = (self.now + duration, done)
+        if self.net_slow:
+            duration *= self.profile.comm_contention
+        event = None
+        if self.record:
+            event = {"name": label, "ph": "X", "pid": 0, "tid": 1 + SERVERS.index(server),
+                     "ts": self.now * 1e6, "dur": duration * 1e6, "args": {"bytes": nbytes}}
+            self.trace.append(event)
+        self.current[server] = [self.now + duration, done, len(self.net_spans), event]
         self.net_spans.append((self.now, self.now + duration))
         self.collectives += 1
-        if self.record:
-            self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 1 + SERVERS.index(server),
-                               "ts": self.now * 1e6, "dur": duration * 1e6, "args": {"bytes": nbytes}})
+
+    def _sync_net_rate(self) -> None:
+        """Retime the collectives in flight when the compute lane starts or stops working:
+        what is left of each runs ``comm_contention`` times slower beside compute."""
+        slow = self.task_left is not None
+        factor = self.profile.comm_contention
+        if slow == self.net_slow or factor == 1.0:
+            return
+        self.net_slow = slow
+        scale = factor if slow else 1.0 / factor
+        for flight in self.current.values():
+            if flight is None:
+                continue
+            flight[0] = self.now + (flight[0] - self.now) * scale
+            start = self.net_spans[flight[2]][0]
+            self.net_spans[flight[2]] = (start, flight[0])
+            if flight[3] is not None:
+                flight[3]["dur"] = (flight[0] - start) * 1e6
 
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         self._timer_seq += 1
@@ -235,6 +263,7 @@ class _Sim:
             if events > limit_events:
                 raise RuntimeError("the simulation did not finish (a strategy model waits on itself)")
             self._advance_lane_starts()
+            self._sync_net_rate()
             candidates = []
             task_end = None
             if self.task_left is not None:

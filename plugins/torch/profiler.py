@@ -418,7 +418,7 @@ def profile_model(model: nn.Module, x: Any, y: Any, loss_fn: Callable[[Any, Any]
 
 def _build(names: list[str], tensors: list[tuple[TensorSpec, ...]], unscaled: dict[str, Any], *, source: str,
            batch_size: int | None, forward_s: float, backward_s: float, optimizer_s: float,
-           contention: float = 1.0, meta: dict | None = None) -> Profile:
+           contention: float = 1.0, comm_contention: float = 1.0, meta: dict | None = None) -> Profile:
     """The Profile: the ``unscaled`` per-layer medians scaled to the phase totals
     ``forward_s``/``backward_s``/``optimizer_s`` (module docstring of :func:`profile_model`)."""
     pre, bwd_tail = unscaled["pre_forward_s"], unscaled["backward_tail_s"]
@@ -448,7 +448,8 @@ def _build(names: list[str], tensors: list[tuple[TensorSpec, ...]], unscaled: di
     }
     info.update(meta or {})
     return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=contention,
-                   step_overhead_s=overhead, optimizer_step_s=optimizer_s, meta=info)
+                   comm_contention=comm_contention, step_overhead_s=overhead, optimizer_step_s=optimizer_s,
+                   meta=info)
 
 
 # ------------------------------------------------------------- DistributedOptimizer's
@@ -588,7 +589,8 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
     forward, backward and optimizer of the slowest rank's medians, as
     ``commsched bench`` reports ``compute_s``. ``contention`` is the bench's compute
     under the all-reduce over compute, corrected when the all-reduce ended before
-    the compute did (``meta['contention']`` shows how).
+    the compute did (``meta['contention']`` shows how); ``comm_contention`` the same
+    all-reduce under that compute over alone (:func:`commsched.bench.report.comm_contention`).
     """
     import shutil
 
@@ -627,7 +629,8 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
     prof = _build([layer.name for layer in local.layers], [layer.tensors for layer in local.layers],
                   local.meta["unscaled"], source=f"profile:{workload}", batch_size=batch_size,
                   forward_s=baseline["forward_s"], backward_s=baseline["backward_s"],
-                  optimizer_s=baseline["optimizer_s"], contention=contention, meta=meta)
+                  optimizer_s=baseline["optimizer_s"], contention=contention,
+                  comm_contention=baseline.get("comm_contention") or 1.0, meta=meta)
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof
 
@@ -760,7 +763,8 @@ def format_profile(prof: Profile) -> str:
                     f"{layer.backward_s * 1e3:8.1f} {ready * 1e3:9.1f} {layer.apply_s * 1e3:9.2f}")
     rows.append(f"forward {prof.forward_s * 1e3:.1f} ms, backward {prof.backward_s * 1e3:.1f} ms, apply "
                 f"{prof.apply_s * 1e3:.1f} ms, overhead {prof.step_overhead_s * 1e3:.1f} ms, compute "
-                f"{prof.compute_s * 1e3:.1f} ms, contention {prof.contention:.3f}")
+                f"{prof.compute_s * 1e3:.1f} ms, contention {prof.contention:.3f} (compute under comm), "
+                f"{prof.comm_contention:.3f} (comm under compute)")
     base = prof.meta.get("bench_baseline")
     if base:
         rows.append(f"bench baseline: compute {base['compute_s'] * 1e3:.1f} ms (optimizer.step "

@@ -6,6 +6,7 @@ import pytest
 
 from commsched.bench.report import (
     build_report,
+    comm_contention,
     markdown,
     quantile,
 )
@@ -60,6 +61,8 @@ def test_baseline_bounds_follow_their_definitions():
     assert base["ceiling_speedup_vs_ddp"] == pytest.approx((0.2 + 0.5 + 0.05) / 0.65)
     assert base["compute_under_comm_s"] == pytest.approx(0.75)
     assert base["under_comm_coverage"] == pytest.approx(0.5 / 0.75)
+    # the all-reduce (0.5 s alone) ended at 0.5 s, all of it beside compute: not slowed
+    assert base["comm_under_compute_s"] == pytest.approx(0.5) and base["comm_contention"] == pytest.approx(1.0)
     assert base["comm_workers_cpu_busy"] == pytest.approx(2 * 1.0 / 2.0 / _cpus())
 
 
@@ -123,3 +126,15 @@ def test_quantile_interpolates_and_ignores_missing():
     assert quantile([], 0.5) is None
     assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert quantile([1.0, 2.0], 0.25) == pytest.approx(1.25)
+
+
+def test_comm_contention_reads_the_all_reduce_beside_compute_against_alone():
+    # all of it beside compute (it ended first): 0.6 s against 0.4 s alone
+    assert comm_contention([(1.0, 0.6)] * 3, 0.4) == pytest.approx(1.5)
+    # it outlasted compute: 0.5 s beside compute at 1/lam, then 0.2 s alone -> 0.5/lam + 0.2 = 0.4
+    assert comm_contention([(0.5, 0.7)] * 3, 0.4) == pytest.approx(2.5)
+    # the median of the repetitions; a tail longer than the whole all-reduce alone is skipped
+    assert comm_contention([(1.0, 0.6), (1.0, 0.8), (0.1, 0.9), (1.0, 0.4)], 0.4) == pytest.approx(1.5)
+    # never below 1 (faster beside compute is noise); nothing to read without a time alone
+    assert comm_contention([(1.0, 0.3)], 0.4) == 1.0
+    assert comm_contention([(1.0, 0.3)], None) is None and comm_contention([(0.1, 0.9)], 0.4) is None

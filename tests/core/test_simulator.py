@@ -23,11 +23,11 @@ def flat(world: int = 2, bandwidth: float = 125e6, alpha: float = 0.0) -> Topolo
 
 
 def profile_of(sizes_mb: list[float], fwd: float = 0.01, bwd: float = 0.02, apply: float = 0.001,
-               contention: float = 1.0) -> Profile:
+               contention: float = 1.0, comm_contention: float = 1.0) -> Profile:
     layers = tuple(LayerProfile(name=f"l{i}", forward_s=fwd, backward_s=bwd, apply_s=apply,
                                 tensors=(TensorSpec(f"l{i}.w", int(mb * MB) // 4, 4),))
                    for i, mb in enumerate(sizes_mb))
-    return Profile(layers=layers, contention=contention, per_piece_cpu_s=0.0)
+    return Profile(layers=layers, contention=contention, per_piece_cpu_s=0.0, comm_contention=comm_contention)
 
 
 def test_no_overlap_costs_compute_plus_one_flat_allreduce():
@@ -37,6 +37,41 @@ def test_no_overlap_costs_compute_plus_one_flat_allreduce():
     assert result.step_time_s == pytest.approx(expected, rel=1e-9)
     assert result.exposed_comm_s == pytest.approx(allreduce_s(topo, prof.grad_bytes, "ring"), rel=1e-9)
     assert result.overlap_ratio == pytest.approx(0.0, abs=1e-9)
+
+
+def test_communication_slowed_by_compute_changes_nothing_where_nothing_overlaps():
+    prof, topo = profile_of([4, 4, 8], contention=1.3, comm_contention=1.7), flat()
+    result = simulate(prof, topo, "allreduce")
+    assert result.step_time_s == pytest.approx(prof.compute_s + allreduce_s(topo, prof.grad_bytes, "ring"), rel=1e-9)
+
+
+@pytest.mark.parametrize("kappa,lam", [(1.0, 1.0), (1.2, 1.0), (1.0, 1.5), (1.2, 1.5), (1.4, 2.5)])
+def test_a_collective_beside_compute_runs_comm_contention_times_slower_until_compute_stops(kappa, lam):
+    # DDP, two layers: the last layer's 8 MiB bucket is reduced while layer 0's backward runs
+    # (compute slowed by kappa, the collective by lam); then the step waits for what is left of
+    # it at full speed, then layer 0's tiny bucket, then the optimizer step.
+    fwd, bwd, apply = 0.01, 0.02, 0.001
+    prof, topo = profile_of([0.01, 8], fwd, bwd, apply, contention=kappa, comm_contention=lam), flat()
+    c1 = allreduce_s(topo, prof.layers[1].grad_bytes, "ring")
+    c0 = allreduce_s(topo, prof.layers[0].grad_bytes, "ring")
+    beside = bwd * kappa  # layer 0's backward, wall seconds, all of it beside the big bucket
+    assert beside / lam < c1  # (the bucket outlasts it, as the closed form below assumes)
+    expected = 2 * fwd + bwd + beside + (c1 - beside / lam) + c0 + 2 * apply
+    result = simulate(prof, topo, "ddp", SimSettings(trace=True))
+    assert result.step_time_s == pytest.approx(expected, rel=1e-9)
+    # the trace and the busy time show the collective as long as it ran
+    assert result.comm_busy_s == pytest.approx(beside + (c1 - beside / lam) + c0, rel=1e-9)
+    big = [e for e in result.trace if e.get("name") == "bucket0" and e.get("tid") == 1]
+    assert big and all(e["dur"] == pytest.approx((beside + c1 - beside / lam) * 1e6, rel=1e-9) for e in big)
+
+
+def test_comm_contention_below_one_is_refused_by_name_and_round_trips_and_defaults_to_one():
+    with pytest.raises(ValueError, match="comm_contention"):
+        profile_of([1.0], comm_contention=0.9)
+    data = profile_of([1.0], comm_contention=1.7).to_dict()
+    assert Profile.from_dict(data).comm_contention == 1.7
+    del data["comm_contention"]  # a profile written before the field existed
+    assert Profile.from_dict(data).comm_contention == 1.0
 
 
 def test_one_rank_has_nothing_to_communicate():
@@ -52,11 +87,12 @@ def test_one_rank_has_nothing_to_communicate():
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.floats(0.05, 20.0), min_size=1, max_size=6),
        fwd=st.floats(0.0, 0.05), bwd=st.floats(0.001, 0.1), bandwidth=st.floats(2e7, 2e9),
-       contention=st.floats(1.0, 1.5),
+       contention=st.floats(1.0, 1.5), comm_contention=st.floats(1.0, 2.0),
        name=st.sampled_from(["ddp", "ddp:1", "horovod", "allreduce", "fifo", "dynamic", "static"]))
 def test_no_strategy_beats_max_of_compute_and_comm_nor_loses_to_their_sum(sizes, fwd, bwd, bandwidth,
-                                                                         contention, name):
-    prof, topo = profile_of(sizes, fwd, bwd, contention=contention), flat(bandwidth=bandwidth, alpha=1e-4)
+                                                                         contention, comm_contention, name):
+    prof = profile_of(sizes, fwd, bwd, contention=contention, comm_contention=comm_contention)
+    topo = flat(bandwidth=bandwidth, alpha=1e-4)
     result = simulate(prof, topo, name, SimSettings(partition_bytes=MB, credit_bytes=2 * MB))
     comm = result.comm_busy_s
     cycle = SimSettings().horovod_cycle_s if name == "horovod" else 0.0  # Horovod's background cycle
