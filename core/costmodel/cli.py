@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from commsched.bench.picture import draw_timeline
-from commsched.bench.report import assemble_report, markdown, result_entry, write_json
+from commsched.bench.report import assemble_report, markdown, median, result_entry, write_json
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
 from commsched.costmodel.profile import Profile
 from commsched.costmodel.simulator import SimResult, SimSettings, parse_sim_strategy, simulate
@@ -144,7 +144,8 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
               "batch_size": batch_size or profile.batch_size, "partition_bytes": settings.partition_bytes,
               "credit_bytes": settings.credit_bytes, "network": topology.source, "seed": None,
               "extra": {"topology": topology.to_dict(), "profile_source": profile.source,
-                        "contention": profile.contention, "algorithm": settings.algorithm}}
+                        "contention": profile.contention, "comm_contention": profile.comm_contention,
+                        "algorithm": settings.algorithm}}
     layers = [{"name": layer.name, "bytes": layer.grad_bytes} for layer in profile.layers]
     work = {"name": workload, "description": profile.source, "param_bytes": profile.grad_bytes,
             "num_params": sum(t.numel for layer in profile.layers for t in layer.tensors), "layers": layers}
@@ -370,6 +371,11 @@ def run_validate(args: argparse.Namespace) -> int:
     summary = {"configurations": len(rows), "ok": len(ok), "points": len(errs),
                "mean_abs_error": sum(errs) / len(errs) if errs else None, "max_abs_error": max(errs, default=None),
                "min_kendall_tau": min((r["kendall_tau"] for r in ok), default=None),
+               # the measurement's own spread beside the errors: p75 - p25 of a strategy's steps / its median
+               "median_measured_iqr_relative": median(
+                   [v for r in ok for v in r["measured_iqr_relative"].values() if v is not None]),
+               "points_predicted_within_measured_iqr": sum(v for r in ok
+                                                           for v in r["predicted_within_measured_iqr"].values()),
                "targets": {"mean_abs_error": 0.05, "max_abs_error": 0.10, "kendall_tau": 0.8},
                "topology_source": args.topology_source}
     with open(args.json, "w") as fh:
@@ -397,7 +403,10 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
         if done.returncode != 0 or not os.path.exists(bench_json):
             return {**cfg, "status": "bench failed", "returncode": done.returncode, "log": bench_log}
     with open(bench_json) as fh:
-        measured = {r["strategy"]: r["step_time_s"] for r in json.load(fh)["results"] if r["status"] == "ok"}
+        results = [r for r in json.load(fh)["results"] if r["status"] == "ok"]
+    measured = {r["strategy"]: r["step_time_s"] for r in results}
+    # the measured spread of each strategy's steps (p25, p75): how far the measurement itself moves
+    spread = {r["strategy"]: (r.get("step_time_p25_s"), r.get("step_time_p75_s")) for r in results}
     topology = Topology.emulated(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
     if args.topology_source == "probe":
         topo_json = os.path.join(args.out_dir, f"topo-{cfg['bandwidth']}-{cfg['workers']}x"
@@ -415,8 +424,13 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     names = [s for s in strategies if s in measured]
     predicted = {s: simulate(profile, topology, s, settings).step_time_s for s in names}
     errors = {s: (predicted[s] - measured[s]) / measured[s] for s in names}
+    within = {s: spread[s][0] is not None and spread[s][1] is not None
+              and spread[s][0] <= predicted[s] <= spread[s][1] for s in names}
+    iqr = {s: (spread[s][1] - spread[s][0]) / measured[s] if None not in spread[s] else None for s in names}
     return {**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured,
-            "predicted_s": predicted, "error": errors,
+            "predicted_s": predicted, "error": errors, "measured_iqr_relative": iqr,
+            "predicted_within_measured_iqr": within, "profile_comm_contention": profile.comm_contention,
+            "profile_contention": profile.contention,
             "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])}
 
 
