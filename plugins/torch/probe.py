@@ -13,12 +13,14 @@ job and sweeps message sizes from 4 KiB to 64 MiB (×4 per step, :data:`SIZES`):
 Each point is the median of ``repeats`` runs after one warm-up, every run behind a
 barrier; an all-reduce's time is the slowest member's median, as the bench's ``comm_s``.
 α and β of a class come from its all-reduce points with the ring coefficients (what
-the simulator predicts with them): β by weighted least squares
-(:func:`commsched.costmodel.fit.fit_link`) over the sizes of at least 16 ``tbf``
-bursts (a smaller message passes mostly within the burst, at line rate, which would
-bias β up), α as the median time per ring step of the sizes up to 64 KiB (robust to
-other load). The fit over all sizes and the ping-pong fits are kept in ``meta``. A class this cluster does not have
-(one rank per node: no intra pairs) keeps the configured value of
+the simulator predicts with them), over the sizes of at least 16 ``tbf`` bursts for β
+(a smaller message passes mostly within the burst, at line rate, which would bias β
+up) and the sizes up to 64 KiB for α: α is the median time per ring step of those
+small sizes, β the median of what each large size implies with that α
+(:func:`_robust_bandwidth`: one size disturbed by other load does not move it). The
+weighted least-squares fits (:func:`commsched.costmodel.fit.fit_link`) of the large
+sizes, of all sizes and of the ping-pongs are kept in ``meta``. A class this cluster
+does not have (one rank per node: no intra pairs) keeps the configured value of
 :meth:`Topology.emulated`, and ``meta`` says so.
 """
 
@@ -44,7 +46,7 @@ CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "commsched", "topolo
 
 #: Message sizes of the sweep, bytes: 4 KiB, 16 KiB, ..., 64 MiB.
 SIZES = tuple(4096 * 4 ** k for k in range(8))
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = 5
 #: A point further than this (relative) from the fit is dropped as disturbed by other load, down
 #: to 4 points per fit; meta lists them. On a quiet machine none is.
 MAX_RESIDUAL = 0.25
@@ -159,7 +161,12 @@ def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: To
         chosen = fits.get(f"{cls}_allreduce_shaped")
         if chosen is not None:
             latency = fits.get(f"{cls}_allreduce_latency", chosen)
-            links[cls] = Link(latency["alpha_s"], chosen["bandwidth"])
+            rows = points[f"{cls}_allreduce"]
+            big = [r for r in rows if r["bytes"] >= shaped_min] or rows[-2:]
+            big = big if len(big) >= 2 else rows[-2:]
+            robust = _robust_bandwidth(_samples(big, f"{cls}_allreduce"), latency["alpha_s"])
+            fits[f"{cls}_allreduce_robust"] = robust
+            links[cls] = Link(latency["alpha_s"], robust["bandwidth"] or chosen["bandwidth"])
         else:
             links[cls] = getattr(configured, cls)
             fits[cls] = "not measured (this cluster has no such pair): the configured value"
@@ -172,7 +179,8 @@ def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: To
         "how": "each class from its ring all-reduce sweep, t = 2(n-1) alpha + 2(n-1)/n S / beta, weighted least "
                "squares (relative residuals): beta from the sizes >= 16 tbf bursts (<kind>_shaped; smaller "
                "messages pass mostly within the burst, at line rate), alpha from the sizes <= 64 KiB "
-               "(<kind>_latency: the median of t / (2(n-1)), robust to other load); the fit over all sizes "
+               "(<kind>_latency: the median of t / (2(n-1)), robust to other load), the beta used the median of "
+               "what each shaped size implies with that alpha (<cls>_allreduce_robust); the fit over all sizes "
                "and the ping-pong fits (t = 2 alpha + S / beta) beside",
         "points": points, "fits": fits,
         "configured": {"intra": configured.intra.to_dict(), "inter": configured.inter.to_dict()},
@@ -189,6 +197,17 @@ def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: To
                     "two largest sizes (per byte), clamped at 0: the engine's own cost")
     return Topology(nodes=fitted.nodes, ranks_per_node=fitted.ranks_per_node, intra=fitted.intra, inter=fitted.inter,
                     rails=1, source="probe", meta=meta, extra_s=extra, extra_s_per_byte=per_byte)
+
+
+def _robust_bandwidth(samples: list[Sample], alpha_s: float) -> dict[str, Any]:
+    """β as the median over ``samples`` of what each one implies with the latency fixed at
+    ``alpha_s``: ``c_β / (t − c_α·α)``. One disturbed size among three moves a least-squares
+    β by its whole error; it moves the median not at all. ``bandwidth`` is ``None`` when no
+    sample is slower than its latency alone."""
+    implied = [x.c_bytes / (x.time_s - x.c_alpha * alpha_s) for x in samples
+               if x.c_bytes > 0 and x.time_s > x.c_alpha * alpha_s]
+    return {"bandwidth": _median(implied) if implied else None, "per_point": implied,
+            "how": "median over the shaped sizes of c_beta / (t - c_alpha * alpha), alpha from the latency sizes"}
 
 
 def _engine_extra(points: dict[str, list[dict]], fitted: Topology) -> dict[str, Any]:

@@ -35,6 +35,18 @@ def test_a_disturbed_point_is_dropped_and_the_rest_still_fit_exactly():
     assert fit.alpha_s == pytest.approx(alpha, rel=1e-9) and fit.bandwidth == pytest.approx(beta, rel=1e-9)
 
 
+def test_the_bandwidth_used_ignores_one_disturbed_large_size():
+    from commsched.plugins.torch.probe import _robust_bandwidth
+    alpha, beta = 4e-4, 1.24e8
+    big = SIZES[-3:]  # 4, 16, 64 MiB: the sizes the probe reads beta from on a shaped link
+    times = [2 * alpha + s / beta for s in big]
+    times[-1] *= 2  # the 64 MiB run shared the cores with another job
+    samples = [ring_allreduce(2, s, t) for s, t in zip(big, times, strict=True)]
+    assert _robust_bandwidth(samples, alpha)["bandwidth"] == pytest.approx(beta, rel=1e-9)
+    assert fit_link(samples).bandwidth < 0.9 * beta  # a least-squares beta moves by ~11 %
+    assert _robust_bandwidth([ring_allreduce(2, 4096, 1e-4)], alpha)["bandwidth"] is None  # all latency
+
+
 def test_a_negative_latency_is_clamped_to_zero_and_beta_refitted():
     beta = 1e8
     fit = fit_link([ping_pong(s, (s + 4) / beta - 2e-5) for s in SIZES[3:]])  # alpha = -10 us
