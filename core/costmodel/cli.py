@@ -317,6 +317,10 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology-source", choices=("probe", "emulated"), default="probe",
                    help="the network the simulator uses: measured by commsched probe on each cluster (default), "
                         "or the configured one (Topology.emulated: assumed latency)")
+    p.add_argument("--other-runs", default="",
+                   help="comma-separated --out-dir of earlier runs of the same grid: their bench reports are read "
+                        "beside this run's, for how far two measurements of one configuration differ (the floor "
+                        "under any model's error) and the errors against the median of all runs")
     p.add_argument("--json", required=True, help="write the validation summary here")
 
 
@@ -333,6 +337,21 @@ def _grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     return grid
 
 
+def _pooled_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """With --other-runs: how far runs of one configuration differ, and the errors against their median."""
+    pooled = [r for r in rows if "error_vs_pooled" in r]
+    if not pooled:
+        return {}
+    diffs = [abs(d) for r in pooled for v in r["run_to_run"].values() for d in v]
+    errs = [abs(e) for r in pooled for e in r["error_vs_pooled"].values()]
+    return {"configurations_with_other_runs": len(pooled),
+            "run_to_run_mean_abs": sum(diffs) / len(diffs) if diffs else None,
+            "run_to_run_median_abs": median(diffs), "run_to_run_max_abs": max(diffs, default=None),
+            "mean_abs_error_vs_pooled": sum(errs) / len(errs) if errs else None,
+            "max_abs_error_vs_pooled": max(errs, default=None),
+            "min_kendall_tau_vs_pooled": min(r["kendall_tau_vs_pooled"] for r in pooled)}
+
+
 def run_validate(args: argparse.Namespace) -> int:
     try:
         grid = _grid(args)
@@ -340,6 +359,10 @@ def run_validate(args: argparse.Namespace) -> int:
         for name in strategies:
             parse_sim_strategy(name)
         settings = settings_from(args)
+        for other_dir in [d.strip() for d in args.other_runs.split(",") if d.strip()]:
+            if not os.path.isdir(other_dir):
+                raise ValueError(f"--other-runs {other_dir!r} is not a directory; name the --out-dir of an "
+                                 "earlier validate run")
     except ValueError as exc:
         print(f"commsched validate: {exc}", file=sys.stderr)
         return 2
@@ -377,6 +400,7 @@ def run_validate(args: argparse.Namespace) -> int:
                "points_predicted_within_measured_iqr": sum(v for r in ok
                                                            for v in r["predicted_within_measured_iqr"].values()),
                "targets": {"mean_abs_error": 0.05, "max_abs_error": 0.10, "kendall_tau": 0.8},
+               **_pooled_summary(ok),
                "topology_source": args.topology_source}
     with open(args.json, "w") as fh:
         json.dump({"summary": summary, "configurations": rows}, fh, indent=1)
@@ -405,6 +429,13 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     with open(bench_json) as fh:
         results = [r for r in json.load(fh)["results"] if r["status"] == "ok"]
     measured = {r["strategy"]: r["step_time_s"] for r in results}
+    others = []  # the same configuration measured by earlier runs (--other-runs)
+    for other_dir in [d.strip() for d in args.other_runs.split(",") if d.strip()]:
+        other_json = os.path.join(other_dir, f"bench-{tag}.json")
+        if os.path.exists(other_json):
+            with open(other_json) as fh:
+                others.append({r["strategy"]: r["step_time_s"] for r in json.load(fh)["results"]
+                               if r["status"] == "ok"})
     # the measured spread of each strategy's steps (p25, p75): how far the measurement itself moves
     spread = {r["strategy"]: (r.get("step_time_p25_s"), r.get("step_time_p75_s")) for r in results}
     topology = Topology.emulated(cfg["workers"], cfg["nodes"], cfg["bandwidth"])
@@ -427,7 +458,18 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     within = {s: spread[s][0] is not None and spread[s][1] is not None
               and spread[s][0] <= predicted[s] <= spread[s][1] for s in names}
     iqr = {s: (spread[s][1] - spread[s][0]) / measured[s] if None not in spread[s] else None for s in names}
-    return {**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured,
+    row_extra: dict[str, Any] = {}
+    if others:
+        runs = {s: [measured[s]] + [o[s] for o in others if s in o] for s in names}
+        pooled = {s: median(v) for s, v in runs.items()}
+        row_extra = {
+            "other_runs_s": {s: v[1:] for s, v in runs.items()},
+            "run_to_run": {s: [(x - measured[s]) / measured[s] for x in v[1:]] for s, v in runs.items()},
+            "pooled_measured_s": pooled,
+            "error_vs_pooled": {s: (predicted[s] - pooled[s]) / pooled[s] for s in names},
+            "kendall_tau_vs_pooled": kendall_tau([pooled[s] for s in names], [predicted[s] for s in names]),
+        }
+    return {**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured, **row_extra,
             "predicted_s": predicted, "error": errors, "measured_iqr_relative": iqr,
             "predicted_within_measured_iqr": within, "profile_comm_contention": profile.comm_contention,
             "profile_contention": profile.contention,

@@ -100,3 +100,46 @@ def test_the_seed_table_shows_seconds_for_70b_on_100gbit_and_what_its_claim_woul
     rows = [line for line in out.splitlines() if line.startswith("| as claimed")]
     assert len(rows) == 2 and all(float(r.split("|")[3]) > 10 for r in rows)  # seconds, not the claimed 185 ms
     assert "185.0 ms" in out and "1/" in out and "consistent: gpt-7b" in out
+
+
+def _bench(directory, tag, times, spread=0.05):
+    directory.mkdir(exist_ok=True)
+    results = [{"strategy": s, "status": "ok", "step_time_s": t, "step_time_p25_s": t * (1 - spread),
+                "step_time_p75_s": t * (1 + spread)} for s, t in times.items()]
+    (directory / f"bench-{tag}.json").write_text(json.dumps({"results": results}))
+
+
+def test_validate_reads_the_measured_spread_and_other_runs_of_the_same_configuration(tmp_path):
+    import argparse
+
+    from commsched.costmodel.cli import _pooled_summary, _validate_one
+    from commsched.costmodel.simulator import SimSettings, simulate
+    prof = Profile.from_json(_profile(tmp_path))
+    cfg = {"workload": "w", "bandwidth": "1gbit", "workers": 2, "nodes": None}
+    topo = Topology.emulated(2, None, "1gbit")
+    strategies = ["ddp", "dynamic"]
+    pred = {s: simulate(prof, topo, s, SimSettings()).step_time_s for s in strategies}
+    # this run: ddp measured 10 % slower than predicted (outside its +-5 % spread), dynamic exactly;
+    # the earlier run: ddp as predicted, dynamic 20 % slower
+    _bench(tmp_path / "now", "w-1gbit-2x2", {"ddp": pred["ddp"] / 0.9, "dynamic": pred["dynamic"]})
+    _bench(tmp_path / "before", "w-1gbit-2x2", {"ddp": pred["ddp"], "dynamic": pred["dynamic"] * 1.2})
+    args = argparse.Namespace(out_dir=str(tmp_path / "now"), reuse=True, topology_source="emulated",
+                              other_runs=str(tmp_path / "before"), steps=4, warmup=1, partition_mb=1.0,
+                              credit_mb=4.0)
+    row = _validate_one(args, cfg, "w-1gbit-2x2", strategies, SimSettings(), None,
+                        lambda *a, **k: prof, lambda what: None)
+    assert row["status"] == "ok" and row["error"]["ddp"] == pytest.approx(-0.1)
+    assert row["predicted_within_measured_iqr"] == {"ddp": False, "dynamic": True}
+    assert row["measured_iqr_relative"]["ddp"] == pytest.approx(0.1)
+    assert row["run_to_run"]["ddp"] == [pytest.approx(-0.1)] and row["run_to_run"]["dynamic"] == [pytest.approx(0.2)]
+    # the median of two runs is their mean
+    assert row["error_vs_pooled"]["ddp"] == pytest.approx(pred["ddp"] / ((pred["ddp"] / 0.9 + pred["ddp"]) / 2) - 1)
+    summary = _pooled_summary([row])
+    assert summary["run_to_run_max_abs"] == pytest.approx(0.2)
+    assert summary["run_to_run_mean_abs"] == pytest.approx(0.15)
+    assert _pooled_summary([{"error": {}}]) == {}  # without other runs it adds nothing
+
+
+def test_validate_refuses_another_run_that_is_not_a_directory(tmp_path, capsys):
+    rc = main(["validate", "--other-runs", str(tmp_path / "missing"), "--json", str(tmp_path / "v.json")])
+    assert rc == 2 and "--other-runs" in capsys.readouterr().err
