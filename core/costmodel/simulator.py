@@ -184,6 +184,7 @@ class _Sim:
         # Communication runs profile.comm_contention times slower while the compute lane
         # works; ``net_slow`` is whether the collectives in flight are timed that way now.
         self.net_slow = False
+        self.comm_contention = profile.comm_contention
         self.collectives = 0
         # compute lane: (kind, label, work seconds, precondition, on_done); kind "mark" records a step
         # boundary, "fire" only calls on_done, the others occupy the lane for their work
@@ -219,7 +220,7 @@ class _Sim:
         nbytes, label, done, extra, algorithm, seconds = queue.popleft()
         duration = (self.collective_s(nbytes, algorithm) if seconds is None else seconds) + extra
         if self.net_slow:
-            duration *= self.profile.comm_contention
+            duration *= self.comm_contention
         event = None
         if self.record:
             event = {"name": label, "ph": "X", "pid": 0, "tid": 1 + SERVERS.index(server),
@@ -232,9 +233,11 @@ class _Sim:
     def _sync_net_rate(self) -> None:
         """Retime the collectives in flight when the compute lane starts or stops working:
         what is left of each runs ``comm_contention`` times slower beside compute."""
+        factor = self.comm_contention
+        if factor == 1.0:
+            return
         slow = self.task_left is not None
-        factor = self.profile.comm_contention
-        if slow == self.net_slow or factor == 1.0:
+        if slow == self.net_slow:
             return
         self.net_slow = slow
         scale = factor if slow else 1.0 / factor
