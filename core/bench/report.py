@@ -70,7 +70,8 @@ WORKLOAD_KEYS = ("name", "description", "param_bytes", "num_params", "layers")
 #: Keys of ``baseline`` (the reference measurements), when it is not ``null``.
 BASELINE_KEYS = ("forward_s", "backward_s", "optimizer_s", "compute_s", "compute_one_worker_s", "comm_s",
                  "comm_cpu_busy", "comm_workers_cpu_busy", "forward_under_comm_s", "backward_under_comm_s",
-                 "compute_under_comm_s", "under_comm_coverage", "lower_bound_s", "no_overlap_s",
+                 "compute_under_comm_s", "under_comm_coverage", "comm_under_compute_s", "comm_contention",
+                 "lower_bound_s", "no_overlap_s",
                  "ddp_model_s", "ceiling_speedup_vs_ddp")
 #: Keys of every ``results[]`` entry, whatever its status.
 RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", "step_time_p25_s",

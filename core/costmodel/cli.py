@@ -119,6 +119,7 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
         "comm_workers_cpu_busy": None, "forward_under_comm_s": profile.forward_s * profile.contention,
         "backward_under_comm_s": profile.backward_s * profile.contention,
         "compute_under_comm_s": compute * profile.contention, "under_comm_coverage": None,
+        "comm_under_compute_s": comm * profile.comm_contention, "comm_contention": profile.comm_contention,
         "lower_bound_s": max(compute, comm), "no_overlap_s": compute + comm,
         "ddp_model_s": profile.forward_s + max(profile.backward_s, comm) + profile.step_optimizer_s,
     }
