@@ -145,13 +145,14 @@ def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: To
         # tc tbf lets a burst through at line rate: below ~16 bursts a message mostly is one
         bits = rates[cls]
         shaped_min = 16 * max(BURST_BYTES, int(bits / 8 / 1000)) if bits else 0
+        shaped_rows: dict[str, list[dict]] = {}
         for kind in (f"{cls}_allreduce", f"{cls}_pingpong"):
             if kind not in points:
                 continue
             rows = points[kind]
             fits[kind] = _fit_info(fit_link(_samples(rows, kind), MAX_RESIDUAL), rows)
             big = [r for r in rows if r["bytes"] >= shaped_min] or rows[-2:]
-            big = big if len(big) >= 2 else rows[-2:]
+            big = shaped_rows[kind] = big if len(big) >= 2 else rows[-2:]
             small = [r for r in rows if r["bytes"] <= LATENCY_MAX_BYTES]
             fits[f"{kind}_shaped"] = _fit_info(fit_link(_samples(big, kind)), big)
             if small:  # their bytes take µs at line rate: the time is the steps' latency (median: robust to load)
@@ -161,10 +162,8 @@ def _fit(points: dict[str, list[dict]], workers: int, nodes: int, configured: To
         chosen = fits.get(f"{cls}_allreduce_shaped")
         if chosen is not None:
             latency = fits.get(f"{cls}_allreduce_latency", chosen)
-            rows = points[f"{cls}_allreduce"]
-            big = [r for r in rows if r["bytes"] >= shaped_min] or rows[-2:]
-            big = big if len(big) >= 2 else rows[-2:]
-            robust = _robust_bandwidth(_samples(big, f"{cls}_allreduce"), latency["alpha_s"])
+            kind = f"{cls}_allreduce"
+            robust = _robust_bandwidth(_samples(shaped_rows[kind], kind), latency["alpha_s"])
             fits[f"{cls}_allreduce_robust"] = robust
             links[cls] = Link(latency["alpha_s"], robust["bandwidth"] or chosen["bandwidth"])
         else:
