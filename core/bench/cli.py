@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds one phase (one strategy) may take before its workers "
                              "are killed (default 900)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every strategy this many times, each round in a rotated order, and report the "
+                             "median of the rounds and each strategy's speedup paired with ddp of the same round "
+                             "(default 1; use 3 or more on a shared or noisy machine: docs/bench.md, Rounds)")
     parser.add_argument("--calibrate", action="store_true",
                         help="before the baseline, measure compute and comm at two batch sizes and pick the one "
                              "that puts the workload in its named regime on this machine (two short extra "
@@ -107,6 +111,9 @@ def _config(args: argparse.Namespace) -> RunConfig:
         raise ValueError(f"--nodes {nodes} must divide --workers {args.workers}")
     if args.steps < 1 or args.warmup < 0:
         raise ValueError("--steps must be >= 1 and --warmup >= 0")
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1 (1: each strategy once), got {rounds}")
     for flag, mb in (("--partition-mb", args.partition_mb), ("--credit-mb", args.credit_mb)):
         if not mb > 0:
             raise ValueError(f"{flag} must be positive, got {mb}")
@@ -132,7 +139,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         batch_size=args.batch_size or workload.batch_size,
         partition_bytes=int(args.partition_mb * MB), credit_bytes=int(args.credit_mb * MB),
         network=args.network, timeline_dir=args.timeline, seed=args.seed,
-        phase_timeout_s=args.timeout, calibrate=calibrate,
+        phase_timeout_s=args.timeout, calibrate=calibrate, rounds=rounds,
     )
 
 
@@ -185,17 +192,17 @@ def run(args: argparse.Namespace) -> int:
         "warmup": config.warmup, "baseline_steps": config.baseline_steps,
         "batch_size": config.batch_size, "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "network": config.network, "seed": config.seed,
-        "extra": {"timeout_s": config.phase_timeout_s, "calibrate": config.calibrate},
+        "extra": {"timeout_s": config.phase_timeout_s, "calibrate": config.calibrate, "rounds": config.rounds},
     }
     report = build_report(run_config, cluster.emulation, cluster.note,
                           {"name": workload.name, "description": workload.description},
-                          baseline, phases, calibration=calibration)
+                          baseline, [p if config.rounds > 1 else p[0] for p in phases], calibration=calibration)
     print(markdown(report))
     write_json(report, args.json)
     if args.plot:
         plot(report, args.plot)
     draw_timelines(report)
-    failed = baseline.status == "failed" or any(p.status == "failed" for p in phases)
+    failed = baseline.status == "failed" or any(p.status == "failed" for rounds in phases for p in rounds)
     if failed:
         print(f"commsched bench: some phases failed; logs kept in {work_dir}", file=sys.stderr)
         return 1
@@ -328,6 +335,6 @@ def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict,
     busy = cpu["cpu_busy"]
     return result_entry(
         strategy, "ok", **step_fields(result["step_times_s"], batch_size * result.get("world", 1), baseline),
-        cpu_busy=busy, cpu_warning=busy is not None and busy > BUSY_WARNING,
+        cpu_busy=busy, cpu_steal=cpu.get("cpu_steal"), cpu_warning=busy is not None and busy > BUSY_WARNING,
         pieces_per_step=result.get("pieces_per_step"), logs=str(out),
     )

@@ -21,6 +21,7 @@ class CpuTimes:
 
     busy: int
     total: int
+    steal: int = 0  # taken by the hypervisor for other guests: counted busy, but not ours
 
 
 def read_cpu_times(path: str = "/proc/stat") -> CpuTimes:
@@ -34,7 +35,8 @@ def read_cpu_times(path: str = "/proc/stat") -> CpuTimes:
     values = [int(v) for v in fields[1:9]]
     idle = values[3] + (values[4] if len(values) > 4 else 0)
     total = sum(values)
-    return CpuTimes(busy=total - idle, total=total)
+    steal = values[7] if len(values) > 7 else 0
+    return CpuTimes(busy=total - idle, total=total, steal=steal)
 
 
 def busy_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
@@ -48,6 +50,18 @@ def busy_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
     return min(1.0, max(0.0, (end.busy - start.busy) / total))
 
 
+def steal_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
+    """Fraction in [0, 1] of CPU time the hypervisor gave to other guests between two readings.
+
+    On a shared virtual machine this is the slowdown nobody on the machine caused: a phase
+    with steal well above another's ran on less CPU. ``None`` when no jiffy passed.
+    """
+    total = end.total - start.total
+    if total <= 0:
+        return None
+    return min(1.0, max(0.0, (end.steal - start.steal) / total))
+
+
 class CpuWindow:
     """CPU use over an interval: the machine's busy fraction and this process's
     own CPU seconds (all its threads), to tell our load from other users'."""
@@ -58,9 +72,12 @@ class CpuWindow:
         self._wall = time.perf_counter()
 
     def stop(self) -> dict[str, float | None]:
-        """``cpu_busy`` (machine-wide fraction), ``process_cpu_s`` and ``wall_s`` since start."""
+        """``cpu_busy`` and ``cpu_steal`` (machine-wide fractions, steal included in busy),
+        ``process_cpu_s`` and ``wall_s`` since start."""
+        now = read_cpu_times()
         return {
-            "cpu_busy": busy_fraction(self._machine, read_cpu_times()),
+            "cpu_busy": busy_fraction(self._machine, now),
+            "cpu_steal": steal_fraction(self._machine, now),
             "process_cpu_s": time.process_time() - self._process,
             "wall_s": time.perf_counter() - self._wall,
         }

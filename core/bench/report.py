@@ -34,7 +34,12 @@ Definitions (all times are medians over the measured steps, in seconds):
   backward hides it, 1 -- nothing to gain (the plain formula would give < 1);
 - ``speedup_vs_baseline = baseline step time / step time``, where the baseline
   is the framework's stock strategy named by ``baseline_strategy`` (``ddp``,
-  ``mwms``, ``dist_sync``);
+  ``mwms``, ``dist_sync``); with ``--rounds R`` > 1 (torch), the median over the
+  rounds of that ratio within each round (a paired ratio: a slow stretch of the
+  machine that hits both phases of a round cancels), ``step_time_s`` the median
+  of the rounds' medians and ``rounds`` each round's figures (:func:`summarize_rounds`);
+- ``cpu_steal``: the share of the machine's CPU time its hypervisor gave to other
+  guests during the phase (``/proc/stat``'s steal; part of ``cpu_busy``);
 - ``breakdown`` (torch): where one step's time goes, per strategy (:func:`breakdown`;
   each number says how it was measured in ``breakdown["how"]``);
 - ``calibration`` (torch): the regime each workload is meant to be in, the one it
@@ -79,7 +84,10 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
                "throughput_samples_s", "speedup_vs_baseline", "bubble_s", "bubble_method", "forward_s",
                "backward_s", "step_call_s", "overlap_ratio", "efficiency", "cpu_busy", "workers_cpu_busy",
                "cpu_warning", "params_consistent", "pieces_per_step", "timeline", "stats", "logs",
-               "exposed_comm_s", "overlap_method", "breakdown")
+               "exposed_comm_s", "overlap_method", "breakdown", "cpu_steal", "rounds")
+#: Keys of every ``results[].rounds[]`` entry (``--rounds`` > 1; ``rounds`` is ``null`` otherwise).
+ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
+              "cpu_busy", "cpu_steal")
 #: Keys of ``calibration``, when it is not ``null``.
 CALIBRATION_KEYS = ("expected_regime", "measured_regime", "compute_over_comm", "matches", "calibrated",
                     "default_batch_size", "batch_size", "target_compute_over_comm", "trials", "method")
@@ -127,11 +135,11 @@ def cpu_use(ranks: list[dict], key: str) -> dict[str, float | None]:
     """
     windows = [r[key] for r in ranks if r.get(key)]
     if not windows:
-        return {"cpu_busy": None, "workers_busy": None}
+        return {"cpu_busy": None, "workers_busy": None, "steal": None}
     wall = max(w["wall_s"] for w in windows)
     own = sum(w["process_cpu_s"] for w in windows) / (wall * (os.cpu_count() or 1)) \
         if wall > 0 else None
-    return {"cpu_busy": windows[0]["cpu_busy"], "workers_busy": own}
+    return {"cpu_busy": windows[0]["cpu_busy"], "workers_busy": own, "steal": windows[0].get("cpu_steal")}
 
 
 def comm_contention(spans: Sequence[Sequence[float]], comm_alone_s: float | None) -> float | None:
@@ -311,10 +319,50 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
     )
 
 
+def summarize_rounds(phases: Sequence[Any], baseline: dict | None, samples_per_step: int) -> dict[str, Any]:
+    """One strategy's entry from its phases of an interleaved run (``--rounds``; one phase per round).
+
+    ``step_time_s`` is the median of the rounds' medians (one slow round moves it little); the
+    quantiles and the mean pool every round's steps; the other fields (bubble, breakdown, stats,
+    CPU) are those of the round whose median is nearest ``step_time_s``, with overlap and
+    efficiency recomputed for ``step_time_s``. ``rounds`` lists each round (:data:`ROUND_KEYS`);
+    :func:`assemble_report` fills its paired ``speedup_vs_baseline``. A failed round is listed,
+    its reason kept, and left out of the figures; every round failed: the first failure's entry.
+    """
+    entries = [summarize_strategy(p, baseline, samples_per_step) for p in phases]
+    rounds = [{**dict.fromkeys(ROUND_KEYS), "round": p.round + 1, "position": p.position + 1, "status": e["status"],
+               "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
+               "cpu_steal": e["cpu_steal"]} for p, e in zip(phases, entries, strict=True)]
+    ok = [(p, e) for p, e in zip(phases, entries, strict=True) if e["status"] == "ok"]
+    if not ok:
+        return {**entries[0], "rounds": rounds}
+    step = median([e["step_time_s"] for _, e in ok])
+    _, rep = min(ok, key=lambda pe: abs(pe[1]["step_time_s"] - step))
+    pooled = [t for p, _ in ok for t in p.ranks[0]["step_times_s"]]
+    fields = step_fields(pooled, samples_per_step, baseline)
+    fields["step_time_s"] = step
+    fields["throughput_samples_s"] = samples_per_step / step
+    fields["mean_step_time_s"] = sum(e["mean_step_time_s"] * e["measured_steps"] for _, e in ok) / len(pooled)
+    if baseline is not None and baseline.get("lower_bound_s") is not None:
+        fields["efficiency"] = baseline["lower_bound_s"] / step
+        if rep["bubble_s"] is not None:
+            fields["overlap_ratio"], fields["exposed_comm_s"], method = overlap_ratio(
+                baseline["comm_s"], baseline["compute_s"], step, rep["bubble_s"])
+            fields["overlap_method"] = method + (f" ({rep['bubble_method']})" if fields["overlap_ratio"] is not None
+                                                 else "")
+        else:
+            fields.pop("overlap_ratio", None), fields.pop("exposed_comm_s", None), fields.pop("overlap_method", None)
+    failed = [e["reason"] for e in entries if e["status"] == "failed"]
+    entry = {**rep, **fields, "rounds": rounds}
+    if failed:
+        entry["reason"] = f"{len(failed)} of {len(entries)} rounds failed: {failed[0]}"
+    return entry
+
+
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
     use = cpu_use(ranks, "cpu")
     busy = use["cpu_busy"]
-    return {"cpu_busy": busy, "workers_cpu_busy": use["workers_busy"],
+    return {"cpu_busy": busy, "workers_cpu_busy": use["workers_busy"], "cpu_steal": use["steal"],
             "cpu_warning": busy is not None and busy > BUSY_WARNING}
 
 
@@ -502,6 +550,8 @@ def build_report(config: dict, emulation: str, emulation_note: str, workload: di
                  calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole JSON document (docs/bench.md) from the runner's phases (torch's workload benchmark).
 
+    ``phases``: per strategy, its phase, or a list of its phases, one per round (``--rounds``).
+
     ``calibration``: keyword arguments of :func:`calibration_block` (``expected`` the regime the
     workload is named for, what ``--calibrate`` did); the measured regime comes from the baseline."""
     warnings: list[str] = []
@@ -519,7 +569,8 @@ def build_report(config: dict, emulation: str, emulation_note: str, workload: di
     else:
         warnings.append(f"baseline failed: {baseline_phase.reason}")
     samples = config["batch_size"] * config["workers"]
-    results = [summarize_strategy(p, baseline, samples) for p in phases]
+    results = [summarize_rounds(p, baseline, samples) if isinstance(p, (list, tuple))
+               else summarize_strategy(p, baseline, samples) for p in phases]
     calib = calibration_block(baseline=baseline, **(calibration or {"expected": None}))
     if calib["matches"] is False:
         warnings.append(
@@ -562,6 +613,11 @@ def assemble_report(framework: str, config: dict, emulation: str, emulation_note
     for r in results:
         if r["status"] == "ok" and ref is not None:
             r["speedup_vs_baseline"] = ref["step_time_s"] / r["step_time_s"]
+            paired = _paired_speedups(ref, r)
+            if paired:
+                r["speedup_vs_baseline"] = median(paired)
+        if r.get("rounds") and any(x["status"] == "failed" for x in r["rounds"]):
+            warnings.append(f"{r['strategy']}: {r['reason']}")
         if r.get("cpu_warning"):
             warnings.append(
                 f"{r['strategy']}: CPU busy {r['cpu_busy']:.2f} > {BUSY_WARNING} (this benchmark's "
@@ -589,6 +645,20 @@ def assemble_report(framework: str, config: dict, emulation: str, emulation_note
         "results": results,
         "warnings": warnings,
     }
+
+
+def _paired_speedups(ref: dict, entry: dict) -> list[float]:
+    """Each round's ``ref`` step / ``entry`` step, both measured in that round; written into
+    ``entry["rounds"]``. Empty without rounds on both sides."""
+    if not ref.get("rounds") or not entry.get("rounds"):
+        return []
+    ref_by_round = {x["round"]: x["step_time_s"] for x in ref["rounds"] if x["status"] == "ok"}
+    paired = []
+    for x in entry["rounds"]:
+        if x["status"] == "ok" and ref_by_round.get(x["round"]):
+            x["speedup_vs_baseline"] = ref_by_round[x["round"]] / x["step_time_s"]
+            paired.append(x["speedup_vs_baseline"])
+    return paired
 
 
 def _fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
@@ -659,6 +729,7 @@ def markdown(report: dict) -> str:
             f"| {_overlap_cell(r)} | {_fmt(r['efficiency'], '.2f')} | {busy} "
             f"| {_fmt(r['pieces_per_step'], '.0f')} |"
         )
+    lines += rounds_table(report["results"])
     lines += breakdown_table(report["results"])
     if report["warnings"]:
         lines += ["", "Warnings:"] + [f"- {w}" for w in report["warnings"]]
@@ -680,6 +751,32 @@ def _calibration_line(cal: dict) -> str:
         line += (f"; --calibrate chose batch {cal['batch_size']} (default {cal['default_batch_size']}) for "
                  f"compute / comm {cal['target_compute_over_comm']} (tried {tried})")
     return line
+
+
+def rounds_table(results: list[dict]) -> list[str]:
+    """With ``--rounds``: each strategy's median step and paired speedup per round, and the CPU
+    steal of its slowest round (a round that ran on a stolen CPU says so)."""
+    with_rounds = [r for r in results if r.get("rounds")]
+    if not with_rounds:
+        return []
+    count = max(len(r["rounds"]) for r in with_rounds)
+    head = " | ".join(f"round {i + 1}" for i in range(count))
+    lines = ["", "Per round (median step s, speedup within the round, position in the round's order; "
+                 "the table above: median of the rounds, paired speedup):", "",
+             f"| strategy | {head} | speedup min..max | max CPU steal |",
+             "|---|" + "---:|" * (count + 2)]
+    for r in with_rounds:
+        cells = []
+        for x in sorted(r["rounds"], key=lambda x: x["round"]):
+            if x["status"] != "ok":
+                cells.append(x["status"])
+                continue
+            cells.append(f"{x['step_time_s']:.3f} ({_fmt(x['speedup_vs_baseline'], '.2f', 'x')}, #{x['position']})")
+        speedups = [x["speedup_vs_baseline"] for x in r["rounds"] if x["speedup_vs_baseline"] is not None]
+        span = f"{min(speedups):.2f}..{max(speedups):.2f}x" if speedups else "-"
+        steal = max((x["cpu_steal"] for x in r["rounds"] if x["cpu_steal"] is not None), default=None)
+        lines.append(f"| {r['strategy']} | " + " | ".join(cells) + f" | {span} | {_fmt(steal, '.3f')} |")
+    return lines
 
 
 #: The second table: where each strategy's step goes, in ms (slowest rank; docs/bench.md).

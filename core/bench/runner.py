@@ -2,7 +2,11 @@
 
 One *phase* is one launch of all worker processes: first the baseline, then
 one per strategy (a fresh process group each, so a crash or a leftover thread
-of one strategy cannot touch the next). Each phase has a deadline; a worker
+of one strategy cannot touch the next). With ``rounds`` > 1 every strategy runs
+once per round, each round in a rotated order (:func:`round_order`), so a slow
+stretch of a shared machine falls on different strategies in different rounds
+and the report can pair each strategy with the baseline strategy of the same
+round (docs/bench.md, "Rounds"). Each phase has a deadline; a worker
 that fails or hangs is killed by pid and the phase is reported as failed,
 and the run goes on with the next strategy.
 
@@ -53,8 +57,11 @@ class RunConfig:
     collective_timeout_s: float = 120.0
     baseline_steps: int = field(default=0)  # 0: derived from steps
     calibrate: bool = False  # choose batch_size so the workload is in its regime (Runner.calibrate)
+    rounds: int = 1  # every strategy this many times, interleaved (round_order)
 
     def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.baseline_steps <= 0:
             self.baseline_steps = max(3, min(self.steps, 10))
 
@@ -67,6 +74,8 @@ class PhaseResult:
     status: str  # ok | skipped | failed
     ranks: list[dict] = field(default_factory=list)
     reason: str = ""
+    round: int = 0  # which round (0-based) of an interleaved run
+    position: int = 0  # where in its round's order it ran (0: first after the baseline)
 
 
 #: ``--calibrate`` keeps the batch size within this factor of the workload's default.
@@ -101,6 +110,16 @@ def choose_batch_size(trials: list[dict[str, float]], target: float, default: in
     return int(min(hi, max(lo, round(batch))))
 
 
+def round_order(count: int, round_index: int) -> list[int]:
+    """The order in which round ``round_index`` runs ``count`` strategies: the list rotated
+    left by ``round_index``, so over ``count`` rounds each strategy runs once in every position
+    (first after the baseline, last, ...) and no strategy always follows the same one."""
+    if count <= 0:
+        return []
+    shift = round_index % count
+    return list(range(shift, count)) + list(range(shift))
+
+
 class Runner:
     """Runs the phases of one benchmark on an already-started cluster."""
 
@@ -115,16 +134,17 @@ class Runner:
         self.cluster = cluster
         self.work_dir = work_dir
         self.log = log
-        self.total_phases = 1 + len(config.strategies) + (2 if config.calibrate else 0)
+        self.total_phases = 1 + len(config.strategies) * config.rounds + (2 if config.calibrate else 0)
         self._first = 0  # index of the baseline phase (after any calibration phases)
         per_node = config.workers // config.nodes
         self.rank_nodes = [cluster.nodes[r // per_node] for r in range(config.workers)]
 
-    def _spec(self, run_dir: str, mode: str, port: int, strategy: str | None) -> dict:
+    def _spec(self, run_dir: str, mode: str, port: int, strategy: str | None, round_index: int = 0) -> dict:
         c = self.config
         timeline = None
         if strategy is not None and c.timeline_dir:
-            timeline = os.path.abspath(os.path.join(c.timeline_dir, f"{file_safe(strategy)}.json"))
+            suffix = f"-round{round_index + 1}" if round_index else ""  # later rounds keep the first's trace
+            timeline = os.path.abspath(os.path.join(c.timeline_dir, f"{file_safe(strategy)}{suffix}.json"))
         return {
             "run_dir": run_dir, "mode": mode, "workload": c.workload,
             "batch_size": c.batch_size, "seed": c.seed, "steps": c.steps, "warmup": c.warmup,
@@ -141,7 +161,7 @@ class Runner:
         }
 
     def run_phase(self, index: int, name: str, mode: str,
-                  strategy: str | None = None) -> PhaseResult:
+                  strategy: str | None = None, round_index: int = 0) -> PhaseResult:
         """Launch every rank for one phase, wait, and read their result files."""
         run_dir = os.path.join(self.work_dir, f"{index:02d}_{file_safe(name)}")
         os.makedirs(run_dir)
@@ -149,7 +169,7 @@ class Runner:
             else free_ports(1)[0]
         spec_path = os.path.join(run_dir, "spec.json")
         with open(spec_path, "w") as f:
-            json.dump(self._spec(run_dir, mode, port, strategy), f, indent=1)
+            json.dump(self._spec(run_dir, mode, port, strategy, round_index), f, indent=1)
         commands, envs, logs = [], [], []
         for rank, node in enumerate(self.rank_nodes):
             commands.append(node.wrap([sys.executable, "-m", self.worker_module,
@@ -235,23 +255,33 @@ class Runner:
                            "measures the result")}
 
     def run_all(self, on_phase: Callable[[PhaseResult], None] | None = None
-                ) -> tuple[PhaseResult, list[PhaseResult]]:
-        """Baseline, then every strategy in order (after :meth:`calibrate`, if called)."""
+                ) -> tuple[PhaseResult, list[list[PhaseResult]]]:
+        """Baseline, then every strategy once per round, each round in :func:`round_order`
+        (after :meth:`calibrate`, if called). Returns the baseline and, per strategy in the
+        configured order, its phases in round order (one per round)."""
         if self.config.timeline_dir:
             os.makedirs(self.config.timeline_dir, exist_ok=True)
-        first = self._first
-        baseline = self.run_phase(first, "baseline", "baseline")
-        results = []
-        for i, spec in enumerate(self.config.strategies, start=first + 1):
-            reason = self.unavailable(spec)
-            if reason is not None:
-                print(f"[{i + 1}/{self.total_phases}] {spec.name}: skipped: {reason}", file=self.log, flush=True)
-                result = PhaseResult(spec.name, "skipped", reason=reason)
-            else:
-                result = self.run_phase(i, spec.name, "train", spec.name)
-            results.append(result)
-            if on_phase is not None:
-                on_phase(result)
+        rounds = self.config.rounds
+        index = self._first
+        baseline = self.run_phase(index, "baseline", "baseline")
+        results: list[list[PhaseResult]] = [[] for _ in self.config.strategies]
+        for round_index in range(rounds):
+            for which in round_order(len(self.config.strategies), round_index):
+                spec = self.config.strategies[which]
+                index += 1
+                name = spec.name if rounds == 1 else f"{spec.name} (round {round_index + 1}/{rounds})"
+                reason = self.unavailable(spec)
+                if reason is not None:
+                    print(f"[{index + 1}/{self.total_phases}] {name}: skipped: {reason}", file=self.log, flush=True)
+                    result = PhaseResult(spec.name, "skipped", reason=reason)
+                else:
+                    result = self.run_phase(index, name, "train", spec.name, round_index)
+                    result.name = spec.name
+                result.round = round_index
+                result.position = round_order(len(self.config.strategies), round_index).index(which)
+                results[which].append(result)
+                if on_phase is not None:
+                    on_phase(result)
         return baseline, results
 
 

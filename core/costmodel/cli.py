@@ -309,6 +309,9 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", default="ddp,ddp:4,fifo,dynamic")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="bench each configuration's strategies this many times, interleaved, and compare the "
+                        "simulator with the median of the rounds (commsched bench --rounds; default 1)")
     p.add_argument("--partition-mb", type=float, default=1.0)
     p.add_argument("--credit-mb", type=float, default=4.0)
     p.add_argument("--sim-steps", type=int, default=5)
@@ -363,6 +366,8 @@ def run_validate(args: argparse.Namespace) -> int:
         for name in strategies:
             parse_sim_strategy(name)
         settings = settings_from(args)
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1 (1: each strategy once), got {args.rounds}")
         for other_dir in [d.strip() for d in args.other_runs.split(",") if d.strip()]:
             if not os.path.isdir(other_dir):
                 raise ValueError(f"--other-runs {other_dir!r} is not a directory; name the --out-dir of an "
@@ -422,6 +427,7 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
         cmd = [sys.executable, "-m", "commsched", "bench", "--workload", cfg["workload"],
                "--workers", str(cfg["workers"]), "--bandwidth", cfg["bandwidth"],
                "--strategies", ",".join(strategies), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--rounds", str(getattr(args, "rounds", 1)),
                "--partition-mb", str(args.partition_mb), "--credit-mb", str(args.credit_mb),
                "--json", bench_json]
         if cfg["nodes"]:

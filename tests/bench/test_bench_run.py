@@ -132,6 +132,24 @@ def test_a_users_module_function_workload_runs_in_the_workers(tmp_path):
     assert report["workload"]["num_params"] == 8 * 16 + 16 + 16 * 3 + 3
 
 
+def test_rounds_interleave_the_strategies_and_pair_the_speedups(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _bench("--network", "loopback", "--strategies", "ddp,dynamic", "--rounds", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["extra"]["rounds"] == 2
+    ddp, dynamic = report["results"]
+    for entry in (ddp, dynamic):
+        _check_entry(entry, report)
+        assert [(x["round"], x["status"]) for x in entry["rounds"]] == [(1, "ok"), (2, "ok")]
+        assert entry["measured_steps"] == 2 * 3  # every round's steps pooled
+    # round 2 runs the list rotated: dynamic first, then ddp
+    assert [x["position"] for x in ddp["rounds"]] == [1, 2] and [x["position"] for x in dynamic["rounds"]] == [2, 1]
+    paired = [d["step_time_s"] / x["step_time_s"] for d, x in zip(ddp["rounds"], dynamic["rounds"], strict=True)]
+    assert dynamic["speedup_vs_baseline"] == pytest.approx(sum(paired) / 2)  # the median of two
+    assert "dynamic (round 2/2): done" in proc.stderr and "Per round" in proc.stdout
+
+
 @pytest.mark.parametrize(("argv", "fix"), [
     (["--workload", "no_such_module_xyz:f"], "no_such_module_xyz"),
     (["--workload", "nope"], "balanced"),
@@ -139,6 +157,7 @@ def test_a_users_module_function_workload_runs_in_the_workers(tmp_path):
     (["--strategies", "ddp,nccl"], "dynamic"),
     (["--workers", "4", "--nodes", "3"], "divide"),
     (["--bandwidth", "1gbps"], "gbit"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_bad_arguments_exit_2_naming_the_fix(argv, fix, capsys):
     import argparse

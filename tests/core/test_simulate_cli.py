@@ -143,3 +143,30 @@ def test_validate_reads_the_measured_spread_and_other_runs_of_the_same_configura
 def test_validate_refuses_another_run_that_is_not_a_directory(tmp_path, capsys):
     rc = main(["validate", "--other-runs", str(tmp_path / "missing"), "--json", str(tmp_path / "v.json")])
     assert rc == 2 and "--other-runs" in capsys.readouterr().err
+
+
+def test_validate_benches_with_rounds_and_refuses_fewer_than_one(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from commsched.costmodel import cli as cost_cli
+    from commsched.costmodel.simulator import SimSettings
+    rc = main(["validate", "--rounds", "0", "--json", str(tmp_path / "v.json")])
+    assert rc == 2 and "--rounds must be >= 1" in capsys.readouterr().err
+    prof = Profile.from_json(_profile(tmp_path))
+    seen = []
+
+    def fake_bench(cmd, **kwargs):  # what validate asked commsched bench for; answers with a report
+        seen.append(cmd)
+        _bench(tmp_path / "out", "w-1gbit-2x2", {"ddp": 0.5, "dynamic": 0.4})
+        return argparse.Namespace(returncode=0)
+
+    monkeypatch.setattr(cost_cli.subprocess, "run", fake_bench)
+    (tmp_path / "out").mkdir()
+    args = argparse.Namespace(out_dir=str(tmp_path / "out"), reuse=False, topology_source="emulated",
+                              other_runs="", steps=4, warmup=1, rounds=3, partition_mb=1.0, credit_mb=4.0)
+    row = cost_cli._validate_one(args, {"workload": "w", "bandwidth": "1gbit", "workers": 2, "nodes": None},
+                                 "w-1gbit-2x2", ["ddp", "dynamic"], SimSettings(), None,
+                                 lambda *a, **k: prof, lambda what: None)
+    assert row["status"] == "ok" and row["measured_s"] == {"ddp": 0.5, "dynamic": 0.4}
+    cmd = seen[0]
+    assert cmd[cmd.index("--rounds") + 1] == "3" and cmd[cmd.index("--strategies") + 1] == "ddp,dynamic"

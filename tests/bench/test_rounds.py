@@ -1,0 +1,138 @@
+"""``commsched bench --rounds``: interleaved repeats, the median of rounds, speedups paired within a round.
+
+Synthetic phases for the arithmetic, a stand-in worker for the runner's order (no framework needed).
+"""
+
+from __future__ import annotations
+
+import io
+import textwrap
+
+import pytest
+
+from commsched.bench.cpu import CpuTimes, steal_fraction
+from commsched.bench.netns import LoopbackCluster
+from commsched.bench.report import ROUND_KEYS, RESULT_KEYS, build_report, markdown
+from commsched.bench.runner import PhaseResult, RunConfig, Runner, round_order
+from commsched.bench.spec import parse_strategies
+
+from bench_phases import CONFIG, DDP, baseline_rank as _baseline_rank, train_rank as _train_rank
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_over_count_rounds_every_strategy_runs_once_in_every_position(count):
+    orders = [round_order(count, r) for r in range(count)]
+    for order in orders:
+        assert sorted(order) == list(range(count))
+    for position in range(count):
+        assert sorted(order[position] for order in orders) == list(range(count))
+    assert round_order(count, count) == round_order(count, 0)  # the cycle repeats
+    assert round_order(0, 3) == []
+
+
+def _phase(name, steps, rnd, position=0, status="ok"):
+    if status != "ok":
+        return PhaseResult(name, status, reason="worker 1 died", round=rnd, position=position)
+    ranks = [_train_rank(list(steps), DDP), _train_rank(list(steps), DDP)]
+    return PhaseResult(name, "ok", ranks, round=rnd, position=position)
+
+
+def _report(phases):
+    baseline = PhaseResult("baseline", "ok", [_baseline_rank(0), _baseline_rank(1)])
+    return build_report(CONFIG, "netns", "note", {"name": "tiny"}, baseline, phases)
+
+
+def test_the_median_of_rounds_and_a_speedup_paired_within_each_round():
+    # Round 2 ran on a slow machine: both strategies 50 % slower there. The ratio of medians
+    # would still be fine here, but the paired ratio is what cancels a slow round exactly.
+    ddp = [_phase("ddp", [1.0] * 4, 0), _phase("ddp", [1.5] * 4, 1, 1), _phase("ddp", [1.0] * 4, 2, 1)]
+    fast = [_phase("fast", [0.8] * 4, 0, 1), _phase("fast", [1.2] * 4, 1), _phase("fast", [0.82] * 4, 2)]
+    report = _report([ddp, fast])
+    d, f = report["results"]
+    assert list(f) == list(RESULT_KEYS)
+    assert d["step_time_s"] == pytest.approx(1.0) and f["step_time_s"] == pytest.approx(0.82)
+    assert [x["speedup_vs_baseline"] for x in f["rounds"]] == pytest.approx([1.25, 1.25, 1.0 / 0.82])
+    assert f["speedup_vs_baseline"] == pytest.approx(1.25)  # the median of the paired ratios
+    assert d["speedup_vs_baseline"] == pytest.approx(1.0)
+    for x in f["rounds"]:
+        assert list(x) == list(ROUND_KEYS)
+    assert [(x["round"], x["position"]) for x in f["rounds"]] == [(1, 2), (2, 1), (3, 1)]
+    # quantiles pool every round's steps; the throughput and efficiency follow the median of rounds
+    assert f["measured_steps"] == 12
+    assert (f["step_time_p25_s"], f["step_time_p75_s"]) == pytest.approx((0.8, 1.2))
+    assert f["throughput_samples_s"] == pytest.approx(16 / 0.82)
+    assert f["efficiency"] == pytest.approx(report["baseline"]["lower_bound_s"] / 0.82)
+    text = markdown(report)
+    assert "Per round" in text and "| fast | 0.800 (1.25x, #2) | 1.200 (1.25x, #1)" in text
+
+
+def test_a_failed_round_is_listed_warned_and_left_out_of_the_figures():
+    ddp = [_phase("ddp", [1.0] * 4, 0), _phase("ddp", [1.0] * 4, 1)]
+    flaky = [_phase("flaky", [0.5] * 4, 0), _phase("flaky", [], 1, status="failed")]
+    report = _report([ddp, flaky])
+    f = report["results"][1]
+    assert f["status"] == "ok" and f["step_time_s"] == pytest.approx(0.5)
+    assert [x["status"] for x in f["rounds"]] == ["ok", "failed"]
+    assert f["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert any("flaky: 1 of 2 rounds failed: worker 1 died" in w for w in report["warnings"])
+    allfail = _report([ddp, [_phase("x", [], 0, status="failed"), _phase("x", [], 1, status="failed")]])
+    assert allfail["results"][1]["status"] == "failed" and len(allfail["results"][1]["rounds"]) == 2
+
+
+def test_without_rounds_the_entry_has_none_and_the_plain_ratio():
+    report = _report([_phase("ddp", [1.0] * 4, 0), _phase("fast", [0.5] * 4, 0)])
+    assert report["results"][1]["rounds"] is None
+    assert report["results"][1]["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert "Per round" not in markdown(report)
+
+
+def test_steal_is_the_share_of_cpu_time_given_to_other_guests():
+    assert steal_fraction(CpuTimes(busy=0, total=0, steal=0), CpuTimes(busy=50, total=100, steal=10)) == 0.1
+    assert steal_fraction(CpuTimes(1, 5, 0), CpuTimes(1, 5, 0)) is None
+
+
+# A stand-in worker: records which strategy ran, in which order, and reports one step time.
+_WORKER = textwrap.dedent("""
+    import argparse, json, os
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec"); p.add_argument("--rank", type=int)
+    a = p.parse_args()
+    spec = json.load(open(a.spec))
+    with open(os.path.join(os.path.dirname(spec["run_dir"]), "order.txt"), "a") as f:
+        f.write(f"{spec['strategy']}\\n")
+    with open(os.path.join(spec["run_dir"], f"rank{a.rank}.json"), "w") as f:
+        json.dump({"ok": True, "strategy": spec["strategy"]}, f)
+""")
+
+
+def test_the_runner_interleaves_rounds_in_rotated_order(tmp_path, monkeypatch):
+    (tmp_path / "fake_rounds_worker.py").write_text(_WORKER)
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None,
+                       strategies=parse_strategies("ddp,fifo,dynamic"), steps=1, warmup=0, batch_size=1,
+                       partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback", phase_timeout_s=60,
+                       rounds=2)
+    work = tmp_path / "work"
+    work.mkdir()
+    log = io.StringIO()
+    runner = Runner(config, LoopbackCluster(1), str(work), worker_module="fake_rounds_worker", log=log,
+                    unavailable=lambda spec: "not here" if spec.name == "fifo" else None)
+    assert runner.total_phases == 1 + 3 * 2
+    baseline, phases = runner.run_all()
+    assert baseline.status == "ok"
+    # fifo is skipped each round without a launch; the others ran ddp, dynamic | dynamic, ddp
+    assert (work / "order.txt").read_text().split() == ["None", "ddp", "dynamic", "dynamic", "ddp"]
+    assert [[(p.name, p.status, p.round, p.position) for p in per] for per in phases] == [
+        [("ddp", "ok", 0, 0), ("ddp", "ok", 1, 2)],
+        [("fifo", "skipped", 0, 1), ("fifo", "skipped", 1, 0)],
+        [("dynamic", "ok", 0, 2), ("dynamic", "ok", 1, 1)]]
+    assert "[7/7] ddp (round 2/2): done" in log.getvalue()
+    assert "[3/7] fifo (round 1/2): skipped: not here" in log.getvalue()
+
+
+def test_rounds_below_one_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None, strategies=[],
+                  steps=1, warmup=0, batch_size=1, partition_bytes=1, credit_bytes=1, network="loopback", rounds=0)
