@@ -6,6 +6,7 @@ Synthetic phases for the arithmetic, a stand-in worker for the runner's order (n
 from __future__ import annotations
 
 import io
+import json
 import textwrap
 
 import pytest
@@ -136,3 +137,27 @@ def test_rounds_below_one_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None, strategies=[],
                   steps=1, warmup=0, batch_size=1, partition_bytes=1, credit_bytes=1, network="loopback", rounds=0)
+
+
+def test_paired_ratios_against_the_best_peer_are_read_per_round(tmp_path, capsys):
+    from commsched.bench import paired
+
+    ddp = [_phase("ddp", [1.0] * 4, 0), _phase("ddp", [1.2] * 4, 1), _phase("ddp", [1.0] * 4, 2)]
+    ddp1 = [_phase("ddp:1", [0.8] * 4, 0), _phase("ddp:1", [1.3] * 4, 1), _phase("ddp:1", [0.9] * 4, 2)]
+    ours = [_phase("fifo", [0.88] * 4, 0), _phase("fifo", [1.2] * 4, 1), _phase("fifo", [0.9] * 4, 2)]
+    report = _report([ddp, ddp1, ours])
+    result = paired.paired(report, ("ddp", "ddp:1"))
+    assert result["best_peer"] == "ddp:1"  # median of rounds 0.9 against ddp's 1.0
+    fifo = result["strategies"]["fifo"]
+    assert fifo["vs_best_peer_rounds"] == pytest.approx([0.8 / 0.88, 1.3 / 1.2, 1.0])
+    assert fifo["vs_best_peer"] == pytest.approx(1.0)
+    # the fastest peer of each round: 0.8, 1.2 (ddp), 0.9
+    assert fifo["vs_fastest_peer_each_round"] == pytest.approx(1.0)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert paired.main([str(path), "--peers", "ddp,ddp:1"]) == 0
+    assert "fifo: 1.000x ddp:1" in capsys.readouterr().out
+    assert paired.main([str(path), "--peers", "horovod"]) == 2
+    assert "none of the peers horovod ran" in capsys.readouterr().err
+    path.write_text(json.dumps(_report([_phase("ddp", [1.0] * 4, 0)])))
+    assert paired.main([str(path)]) == 2 and "--rounds 3" in capsys.readouterr().err

@@ -1,0 +1,85 @@
+"""Paired ratios between strategies of one ``commsched bench --rounds`` report.
+
+``python -m commsched.bench.paired REPORT.json [--peers ddp,ddp:1,ddp:4,horovod]`` prints, for every
+strategy that is not a peer, its speedup over the best peer paired within each round: in round r,
+(the peer's median step in round r) / (the strategy's median step in round r), and the median of
+those over the rounds. "The best peer" is the peer with the smallest median of rounds; the line
+also gives the speedup over the fastest peer *of each round* (a harder bar: the minimum of several
+noisy medians is biased low). A ratio whose per-round values straddle 1.0 cannot tell the two apart.
+
+This is how the targets of the form "commsched's best >= 0.99x the best of ddp, ddp:1, ddp:4,
+horovod" are read off one interleaved run (docs/bench.md, Rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from commsched.bench.report import median
+
+DEFAULT_PEERS = ("ddp", "ddp:1", "ddp:4", "horovod")
+
+
+def per_round(report: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """``{strategy: {round: median step s}}`` of the rounds that ran; refuses a report without rounds."""
+    out: dict[str, dict[int, float]] = {}
+    for e in report["results"]:
+        if e["status"] != "ok":
+            continue
+        if not e.get("rounds"):
+            raise ValueError(f"strategy {e['strategy']!r} has no rounds: measure with commsched bench --rounds 3 "
+                             "(or more) so its ratios can be paired within a round")
+        out[e["strategy"]] = {x["round"]: x["step_time_s"] for x in e["rounds"] if x["status"] == "ok"}
+    return out
+
+
+def paired(report: dict[str, Any], peers: tuple[str, ...] = DEFAULT_PEERS) -> dict[str, Any]:
+    """For every non-peer strategy: its paired speedups over the best peer and over each round's fastest peer."""
+    rounds = per_round(report)
+    present = [p for p in peers if p in rounds]
+    if not present:
+        raise ValueError(f"none of the peers {', '.join(peers)} ran in this report (it has "
+                         f"{', '.join(rounds) or 'no strategy that ran'}); pass --peers")
+    best = min(present, key=lambda p: median(list(rounds[p].values())))
+    out: dict[str, Any] = {"best_peer": best, "peers": present, "strategies": {}}
+    for name, steps in rounds.items():
+        if name in present:
+            continue
+        common = [r for r in sorted(steps) if r in rounds[best]]
+        vs_best = [rounds[best][r] / steps[r] for r in common]
+        each = [r for r in sorted(steps) if all(r in rounds[p] for p in present)]
+        vs_fastest = [min(rounds[p][r] for p in present) / steps[r] for r in each]
+        out["strategies"][name] = {
+            "vs_best_peer": median(vs_best), "vs_best_peer_rounds": vs_best,
+            "vs_fastest_peer_each_round": median(vs_fastest), "rounds": len(common)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m commsched.bench.paired", description=__doc__.splitlines()[0])
+    parser.add_argument("report", help="a commsched bench JSON measured with --rounds")
+    parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                        help=f"the strategies to beat, comma-separated (default {','.join(DEFAULT_PEERS)})")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.report) as fh:
+            report = json.load(fh)
+        result = paired(report, tuple(p.strip() for p in args.peers.split(",") if p.strip()))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"commsched.bench.paired: {args.report}: {exc}", file=sys.stderr)
+        return 2
+    cfg = report["config"]
+    print(f"{cfg['workload']}, {cfg['workers']} workers, {cfg['bandwidth'] or 'unshaped'} ({report['emulation']}): "
+          f"best peer {result['best_peer']} (of {', '.join(result['peers'])})")
+    for name, r in result["strategies"].items():
+        rounds = ", ".join(f"{v:.3f}" for v in r["vs_best_peer_rounds"])
+        print(f"  {name}: {r['vs_best_peer']:.3f}x {result['best_peer']} (rounds {rounds}); "
+              f"{r['vs_fastest_peer_each_round']:.3f}x the fastest peer of each round")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
