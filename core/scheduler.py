@@ -5,8 +5,9 @@ Data flows down (``submit`` → pieces → ``Backend.start``), completions flow 
 policy's choice (:mod:`commsched.policy`); the state and its changes are
 :mod:`commsched.state`; rank 0's decisions travel by :mod:`commsched.protocol`;
 failures are named in :mod:`commsched.failures`. Threads (named, non-daemon, joined
-by ``close()``): ``dispatch`` starts what the policy allows (on an engine that negotiates
-order, ``submit`` starts what fits at once, and ``dispatch`` what completions release); ``complete`` resolves
+by ``close()``): ``submit`` starts what the policy allows at once, on the caller's thread, and
+``dispatch`` what completions and decisions release later (on an engine that runs collectives
+in issue order, both issue under one issue lock, so the engine sees the decided order); ``complete`` resolves
 futures and runs ``on_done`` (engine threads never run user code); ``publish`` (rank
 0) and ``order`` (the others) carry decisions under ``dynamic``/``static``.
 
@@ -93,11 +94,16 @@ class Scheduler(Closeable):
         self._dispatch_cv, self._complete_cv, self._publish_cv, self._idle_cv = (
             threading.Condition(self._lock) for _ in range(4))
         self._closing = self._closed = False
-        # An engine that negotiates order itself (Horovod) may get pieces from two threads at once, so
         # submit() starts what the policy allows right away, on the caller's thread, and the dispatch
-        # thread only starts what completions release: one thread hop less per piece. An engine that
-        # runs collectives in issue order (gloo, NCCL) gets every piece from the dispatch thread alone.
-        self._inline = bool(backend.negotiates_order)
+        # thread only starts what completions and decisions release later: one thread hop less per
+        # piece (on 2 busy cores the hop cost more than the piece; docs/ARCHITECTURE.md). An engine that
+        # negotiates order itself (Horovod) may get pieces from two threads at once. An engine that runs
+        # collectives in issue order (gloo, NCCL) must see them in the decided order: deciding and
+        # starting happen together under ``_issue_lock`` (taken before ``_lock``, never while waiting),
+        # and the dispatch thread sleeps only while ``_work_gen`` says nothing changed since it decided.
+        self._ordered = not bool(backend.negotiates_order)
+        self._issue_lock = threading.Lock()
+        self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
         self._threads: list[threading.Thread] = []
         self._spawn("dispatch", self._dispatch_loop)
         self._spawn("complete", self._complete_loop)
@@ -149,18 +155,27 @@ class Scheduler(Closeable):
         except CommschedError as exc:  # the plan has no place for it: every rank must hear of it
             self._fail(exc)
             raise
-        batch: list[Piece] = []
-        with self._lock:
-            self._check_usable()
-            task = self._state.submit(name, priority, on_done, ready, tensor, bounds)
-            if self._inline:
-                batch = self._decide_locked()
-                if self._state.completed:
-                    self._complete_cv.notify()
-            else:
-                self._wake_for_new_work()
-        self._start(batch)
+        if not self._ordered:
+            with self._lock:
+                task, batch = self._submit_locked(name, priority, on_done, ready, tensor, bounds)
+            self._start(batch)
+            return task.future
+        with self._issue_lock:  # decided and started in one order, whichever thread issues next
+            with self._lock:
+                task, batch = self._submit_locked(name, priority, on_done, ready, tensor, bounds)
+            self._start(batch)
         return task.future
+
+    def _submit_locked(self, name: str, priority: int, on_done: Callable[[Task], None] | None, ready: Any,
+                       tensor: Any, bounds: Any) -> tuple[Task, list[Piece]]:
+        self._check_usable()
+        task = self._state.submit(name, priority, on_done, ready, tensor, bounds)
+        batch = self._decide_locked()
+        if self._state.completed:  # a zero-size tensor is done at once
+            self._complete_cv.notify()
+        if not batch:  # nothing fits now: the dispatch thread starts it when credit or a decision allows
+            self._poke_dispatch()
+        return task, batch
 
     def reserve(self, name: str, priority: int = 0, on_done: Callable[[Task], None] | None = None) -> Ticket:
         """Announce a tensor of the current step whose data is not ready yet (an engine writes it).
@@ -313,6 +328,11 @@ class Scheduler(Closeable):
     def _wake_for_new_work(self) -> None:
         if self._state.completed:  # a zero-size tensor is done at once
             self._complete_cv.notify()
+        self._poke_dispatch()
+
+    def _poke_dispatch(self) -> None:
+        """Tell the dispatch thread (lock held) that the policy may start something now."""
+        self._work_gen += 1
         self._dispatch_cv.notify()
 
     def _ticket_ready(self, task: Task, tensor: Any) -> None:
@@ -344,16 +364,30 @@ class Scheduler(Closeable):
                 done(exc)
 
     def _dispatch_loop(self) -> None:
+        if not self._ordered:
+            while True:
+                with self._lock:
+                    while True:
+                        if self._closing or self._state.error is not None:
+                            return
+                        batch = self._decide_locked()
+                        if batch or self._state.error is not None:
+                            break
+                        self._dispatch_cv.wait()
+                self._start(batch)
         while True:
-            with self._lock:
-                while True:
+            with self._issue_lock:
+                with self._lock:
                     if self._closing or self._state.error is not None:
                         return
+                    seen = self._work_gen
                     batch = self._decide_locked()
-                    if batch or self._state.error is not None:
-                        break
+                if batch:
+                    self._start(batch)
+                    continue
+            with self._lock:  # sleep until something changed since that decision (no lost wake-up)
+                while self._work_gen == seen and not self._closing and self._state.error is None:
                     self._dispatch_cv.wait()
-            self._start(batch)
 
     def _on_piece_done(self, piece: Piece, exc: Optional[BaseException]) -> None:
         if self._closed:  # a late completion: close() already failed the futures and joined our threads
@@ -367,7 +401,7 @@ class Scheduler(Closeable):
                 self._complete_cv.notify()
             if exc is not None:
                 self._wake_all()
-            self._dispatch_cv.notify()
+            self._poke_dispatch()
         self.timeline.piece(piece, end)
 
     def _complete_loop(self) -> None:
@@ -416,7 +450,7 @@ class Scheduler(Closeable):
     def _deliver(self, messages: list[Message]) -> None:
         with self._lock:
             self._state.policy.receive(messages)
-            self._dispatch_cv.notify()
+            self._poke_dispatch()
 
     # ------------------------------------------------------------- failures
     def _fail(self, error: BaseException) -> None:
@@ -430,6 +464,7 @@ class Scheduler(Closeable):
 
     def _wake_all(self) -> None:
         """Every thread must see the failed state (and the completion thread fail the futures)."""
+        self._work_gen += 1
         for cv in (self._dispatch_cv, self._complete_cv, self._publish_cv, self._idle_cv):
             cv.notify_all()
 

@@ -21,25 +21,6 @@ pytestmark = [pytest.mark.timeout(30),
               pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
 
 
-class GatedBackend:
-    """Blocks the dispatcher inside the first ``start`` until ``release`` is set."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.rank, self.world_size, self.negotiates_order = inner.rank, inner.world_size, False
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def start(self, piece, done) -> None:
-        if not self.entered.is_set():
-            self.entered.set()
-            assert self.release.wait(10), "the test never released the gate"
-        self.inner.start(piece, done)
-
-
 class HoldingBackend:
     """Holds every completion back until :meth:`release`, so the scheduler sees its pieces in flight."""
 
@@ -94,21 +75,21 @@ def doubles(n: int, value: float = 1.0) -> array.array:
 
 def test_ready_pieces_start_by_priority_with_ties_in_submission_order():
     world = InProcessWorld(1)
-    gate = GatedBackend(world.backend(0))
+    held = HoldingBackend(world.backend(0))
     cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10)
     try:
-        with Scheduler(gate, ArrayOps(), cfg) as s:
-            s.submit("blocker", doubles(1))
-            assert gate.entered.wait(5)  # the dispatcher is now stuck in start(): the rest queues up
+        with Scheduler(held, ArrayOps(), cfg) as s:
+            s.submit("blocker", doubles(4))  # two pieces, the whole credit, held in flight: the rest queues up
             submissions = [("a", 3, 5), ("b", 1, 2), ("c", 3, 1), ("d", 0, 4), ("e", 1, 3), ("f", -2, 1)]
             for name, priority, numel in submissions:
                 s.submit(name, doubles(numel), priority=priority)
-            gate.release.set()
+            assert world.issued[0] == ["blocker#0", "blocker#1"]  # started at once, on this thread
+            held.release()
             s.mark_step()
             s.synchronize()
     finally:
         world.close()
-    expected = ["blocker#0"]
+    expected = ["blocker#0", "blocker#1"]
     for _, (name, _, numel) in sorted(enumerate(submissions), key=lambda e: (e[1][1], e[0])):
         expected += [f"{name}#{i}" for i in range((numel + 1) // 2)]
     assert world.issued[0] == expected
@@ -116,16 +97,15 @@ def test_ready_pieces_start_by_priority_with_ties_in_submission_order():
 
 def test_the_next_step_never_overtakes_the_current_one_whatever_its_priority():
     world = InProcessWorld(1)
-    gate = GatedBackend(world.backend(0))
+    held = HoldingBackend(world.backend(0))
     try:
-        with Scheduler(gate, ArrayOps(), SchedulerConfig(partition_bytes=8, credit_bytes=8, timeout_s=10)) as s:
-            s.submit("blocker", doubles(1))
-            assert gate.entered.wait(5)
+        with Scheduler(held, ArrayOps(), SchedulerConfig(partition_bytes=8, credit_bytes=8, timeout_s=10)) as s:
+            s.submit("blocker", doubles(1))  # the whole credit, held in flight
             s.submit("late_layer", doubles(2), priority=9)
             s.mark_step()
             s.submit("blocker", doubles(1), priority=0)
             s.submit("first_layer", doubles(1), priority=-5)
-            gate.release.set()
+            held.release()
             s.mark_step()
             s.synchronize()
     finally:
@@ -374,9 +354,11 @@ def test_with_an_engine_that_negotiates_order_only_rank0_paces_and_the_others_is
     assert sorted(world.issued[0]) == sorted(submitted_1)
 
 
-def test_on_an_engine_that_negotiates_order_submit_starts_what_fits_on_its_own_thread():
+@pytest.mark.parametrize("negotiates", [True, False], ids=["negotiating", "issue-ordered"])
+def test_submit_starts_what_fits_on_its_own_thread(negotiates):
     # One thread hop less per piece: submit() starts what the credit allows at once, on the caller's
     # thread; what the credit holds back starts from the dispatch thread once a completion frees it.
+    # On an engine that runs collectives in issue order (gloo, NCCL) both issue under one lock.
     started: list[tuple[str, str]] = []
     held: list = []
     lock = threading.Lock()
@@ -386,7 +368,7 @@ def test_on_an_engine_that_negotiates_order_submit_starts_what_fits_on_its_own_t
             started.append((piece.name, threading.current_thread().name))
             held.append(done)
 
-    backend = type("Negotiating", (), {"rank": 0, "world_size": 1, "negotiates_order": True, "start": start})()
+    backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": negotiates, "start": start})()
     cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10)
     with Scheduler(backend, ArrayOps(), cfg) as sched:
         futures = [sched.submit(f"t{i}", doubles(2, 1.0), priority=i) for i in range(3)]  # 16 B each
@@ -408,18 +390,17 @@ def test_on_an_engine_that_negotiates_order_submit_starts_what_fits_on_its_own_t
 
 def test_a_name_submitted_twice_in_a_step_before_it_started_is_rejected():
     world = InProcessWorld(1)
-    gate = GatedBackend(world.backend(0))
+    held = HoldingBackend(world.backend(0))
     try:
-        with Scheduler(gate, ArrayOps(), SchedulerConfig(timeout_s=10)) as s:
-            s.submit("blocker", doubles(1))
-            assert gate.entered.wait(5)
+        with Scheduler(held, ArrayOps(), SchedulerConfig(partition_bytes=8, credit_bytes=8, timeout_s=10)) as s:
+            s.submit("blocker", doubles(1))  # the whole credit, held in flight: "w" waits unstarted
             first = s.submit("w", doubles(2))
             with pytest.raises(ValueError, match="'w'.*twice"):
                 s.submit("w", doubles(2))
-            gate.release.set()
+            held.release()
             s.mark_step()
             s.synchronize()
             assert first.done() and first.exception() is None
     finally:
-        gate.release.set()
+        held.release()
         world.close()
