@@ -96,12 +96,11 @@ class Scheduler(Closeable):
         self._closing = self._closed = False
         # submit() starts what the policy allows right away, on the caller's thread, and the dispatch
         # thread only starts what completions and decisions release later: one thread hop less per
-        # piece (on 2 busy cores the hop cost more than the piece; docs/ARCHITECTURE.md). An engine that
-        # negotiates order itself (Horovod) may get pieces from two threads at once. An engine that runs
-        # collectives in issue order (gloo, NCCL) must see them in the decided order: deciding and
-        # starting happen together under ``_issue_lock`` (taken before ``_lock``, never while waiting),
-        # and the dispatch thread sleeps only while ``_work_gen`` says nothing changed since it decided.
-        self._ordered = not bool(backend.negotiates_order)
+        # piece (on 2 busy cores the hop cost more than the piece; docs/ARCHITECTURE.md). gloo and NCCL
+        # match collectives by issue order, so deciding and starting happen together under
+        # ``_issue_lock`` (taken before ``_lock``, never while waiting) on every engine: one mechanism,
+        # harmless where the engine negotiates order itself (Horovod). The dispatch thread sleeps only
+        # while ``_work_gen`` says nothing changed since it decided.
         self._issue_lock = threading.Lock()
         self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
         self._threads: list[threading.Thread] = []
@@ -155,11 +154,6 @@ class Scheduler(Closeable):
         except CommschedError as exc:  # the plan has no place for it: every rank must hear of it
             self._fail(exc)
             raise
-        if not self._ordered:
-            with self._lock:
-                task, batch = self._submit_locked(name, priority, on_done, ready, tensor, bounds)
-            self._start(batch)
-            return task.future
         with self._issue_lock:  # decided and started in one order, whichever thread issues next
             with self._lock:
                 task, batch = self._submit_locked(name, priority, on_done, ready, tensor, bounds)
@@ -364,17 +358,6 @@ class Scheduler(Closeable):
                 done(exc)
 
     def _dispatch_loop(self) -> None:
-        if not self._ordered:
-            while True:
-                with self._lock:
-                    while True:
-                        if self._closing or self._state.error is not None:
-                            return
-                        batch = self._decide_locked()
-                        if batch or self._state.error is not None:
-                            break
-                        self._dispatch_cv.wait()
-                self._start(batch)
         while True:
             with self._issue_lock:
                 with self._lock:

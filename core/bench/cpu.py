@@ -39,15 +39,18 @@ def read_cpu_times(path: str = "/proc/stat") -> CpuTimes:
     return CpuTimes(busy=total - idle, total=total, steal=steal)
 
 
-def busy_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
-    """Fraction in [0, 1] of CPU time spent busy between two readings.
-
-    ``None`` when no jiffy passed (too short an interval to say).
-    """
+def _share(start: CpuTimes, end: CpuTimes, field: str) -> float | None:
+    """Fraction in [0, 1] of all CPU time between two readings spent in ``field``; ``None``
+    when no jiffy passed (too short an interval to say)."""
     total = end.total - start.total
     if total <= 0:
         return None
-    return min(1.0, max(0.0, (end.busy - start.busy) / total))
+    return min(1.0, max(0.0, (getattr(end, field) - getattr(start, field)) / total))
+
+
+def busy_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
+    """Fraction in [0, 1] of CPU time spent busy between two readings (``None``: no jiffy passed)."""
+    return _share(start, end, "busy")
 
 
 def steal_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
@@ -56,10 +59,7 @@ def steal_fraction(start: CpuTimes, end: CpuTimes) -> float | None:
     On a shared virtual machine this is the slowdown nobody on the machine caused: a phase
     with steal well above another's ran on less CPU. ``None`` when no jiffy passed.
     """
-    total = end.total - start.total
-    if total <= 0:
-        return None
-    return min(1.0, max(0.0, (end.steal - start.steal) / total))
+    return _share(start, end, "steal")
 
 
 class CpuWindow:

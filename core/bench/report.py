@@ -345,13 +345,10 @@ def summarize_rounds(phases: Sequence[Any], baseline: dict | None, samples_per_s
     fields["mean_step_time_s"] = sum(e["mean_step_time_s"] * e["measured_steps"] for _, e in ok) / len(pooled)
     if baseline is not None and baseline.get("lower_bound_s") is not None:
         fields["efficiency"] = baseline["lower_bound_s"] / step
-        if rep["bubble_s"] is not None:
-            fields["overlap_ratio"], fields["exposed_comm_s"], method = overlap_ratio(
-                baseline["comm_s"], baseline["compute_s"], step, rep["bubble_s"])
-            fields["overlap_method"] = method + (f" ({rep['bubble_method']})" if fields["overlap_ratio"] is not None
-                                                 else "")
-        else:
-            fields.pop("overlap_ratio", None), fields.pop("exposed_comm_s", None), fields.pop("overlap_method", None)
+        fields["overlap_ratio"], fields["exposed_comm_s"], method = overlap_ratio(
+            baseline["comm_s"], baseline["compute_s"], step, rep["bubble_s"])
+        measured = rep["bubble_s"] is not None and fields["overlap_ratio"] is not None
+        fields["overlap_method"] = method + (f" ({rep['bubble_method']})" if measured else "")
     failed = [e["reason"] for e in entries if e["status"] == "failed"]
     entry = {**rep, **fields, "rounds": rounds}
     if failed:

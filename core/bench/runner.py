@@ -266,7 +266,7 @@ class Runner:
         baseline = self.run_phase(index, "baseline", "baseline")
         results: list[list[PhaseResult]] = [[] for _ in self.config.strategies]
         for round_index in range(rounds):
-            for which in round_order(len(self.config.strategies), round_index):
+            for position, which in enumerate(round_order(len(self.config.strategies), round_index)):
                 spec = self.config.strategies[which]
                 index += 1
                 name = spec.name if rounds == 1 else f"{spec.name} (round {round_index + 1}/{rounds})"
@@ -278,7 +278,7 @@ class Runner:
                     result = self.run_phase(index, name, "train", spec.name, round_index)
                     result.name = spec.name
                 result.round = round_index
-                result.position = round_order(len(self.config.strategies), round_index).index(which)
+                result.position = position
                 results[which].append(result)
                 if on_phase is not None:
                     on_phase(result)
