@@ -50,11 +50,13 @@ step, and a Chrome trace of the simulated steps.
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import heapq
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from commsched.costmodel.collectives import allreduce_phases, allreduce_s
 from commsched.costmodel.profile import Profile, TensorSpec
@@ -339,6 +341,21 @@ def _always() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for one run: a 70B step allocates ~130,000 pieces,
+    closures and trace events that live until the run ends, and the collector rescanning
+    them all cost 45 % of the run (1.9 s against 1.07 s per simulated step, 128 x 70B,
+    ``dynamic`` at 1 MiB). What the run leaves behind is collected afterwards as usual."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 # ------------------------------------------------------------ the strategies
 def _tensors_by_layer(profile: Profile) -> list[list[TensorSpec]]:
     return [list(layer.tensors) for layer in profile.layers]
@@ -383,8 +400,14 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     else:
         plan = None  # only 'planned' executes a plan
 
+    costs: dict[tuple[int, str], float] = {}  # most pieces share a size: the closed form once per size
+
     def collective_s(nbytes: int, piece_algorithm: str | None = None) -> float:
-        return allreduce_s(topology, nbytes, piece_algorithm or algorithm) if world > 1 else 0.0
+        key = (nbytes, piece_algorithm or algorithm)
+        cost = costs.get(key)
+        if cost is None:
+            cost = costs[key] = allreduce_s(topology, nbytes, key[1]) if world > 1 else 0.0
+        return cost
 
     sim = _Sim(profile, collective_s)
     sim.record = settings.trace
@@ -583,7 +606,8 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
             lane.append(("apply", "optimizer step", profile.step_optimizer_s, step_done(s), None))
     # the boundary after the last step is where a next step would start
     lane.append(("mark", "end", 0.0, (layer_done(steps - 1, 0) if cross else _always), None))
-    sim.run()
+    with _collector_paused():
+        sim.run()
 
     marks = sim.marks  # step 0 .. steps-1 starts, then the end
     durations = [b - a for a, b in zip(marks, marks[1:], strict=False)]
