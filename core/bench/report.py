@@ -87,7 +87,9 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
                "exposed_comm_s", "overlap_method", "breakdown", "cpu_steal", "rounds")
 #: Keys of every ``results[].rounds[]`` entry (``--rounds`` > 1; ``rounds`` is ``null`` otherwise).
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
-              "cpu_busy", "cpu_steal")
+              "cpu_busy", "cpu_steal", "plan")
+#: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
+ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "plan_s")
 #: Keys of ``calibration``, when it is not ``null``.
 CALIBRATION_KEYS = ("expected_regime", "measured_regime", "compute_over_comm", "matches", "calibrated",
                     "default_batch_size", "batch_size", "target_compute_over_comm", "trials", "method")
@@ -332,7 +334,8 @@ def summarize_rounds(phases: Sequence[Any], baseline: dict | None, samples_per_s
     entries = [summarize_strategy(p, baseline, samples_per_step) for p in phases]
     rounds = [{**dict.fromkeys(ROUND_KEYS), "round": p.round + 1, "position": p.position + 1, "status": e["status"],
                "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
-               "cpu_steal": e["cpu_steal"]} for p, e in zip(phases, entries, strict=True)]
+               "cpu_steal": e["cpu_steal"], "plan": round_plan(e.get("stats"))}
+              for p, e in zip(phases, entries, strict=True)]
     ok = [(p, e) for p, e in zip(phases, entries, strict=True) if e["status"] == "ok"]
     if not ok:
         return {**entries[0], "rounds": rounds}
@@ -354,6 +357,18 @@ def summarize_rounds(phases: Sequence[Any], baseline: dict | None, samples_per_s
     if failed:
         entry["reason"] = f"{len(failed)} of {len(entries)} rounds failed: {failed[0]}"
     return entry
+
+
+def round_plan(stats: Any) -> dict[str, Any] | None:
+    """What a ``planned`` round ran (:data:`ROUND_PLAN_KEYS`), from its ``stats["plan_file"]``;
+    None for other strategies. Rounds that ran different plans tell a slow plan from a slow round."""
+    info = stats.get("plan_file") if isinstance(stats, dict) else None
+    if not isinstance(info, dict):
+        return None
+    predicted = info.get("predicted") or {}
+    return {"digest": info.get("digest"), "predicted_step_s": predicted.get("step_time_s"),
+            "groups": info.get("groups"), "pieces": info.get("pieces"), "credit_bytes": info.get("credit_bytes"),
+            "algorithms": info.get("algorithms"), "plan_s": info.get("plan_s")}
 
 
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
@@ -773,6 +788,17 @@ def rounds_table(results: list[dict]) -> list[str]:
         span = f"{min(speedups):.2f}..{max(speedups):.2f}x" if speedups else "-"
         steal = max((x["cpu_steal"] for x in r["rounds"] if x["cpu_steal"] is not None), default=None)
         lines.append(f"| {r['strategy']} | " + " | ".join(cells) + f" | {span} | {_fmt(steal, '.3f')} |")
+    plans = [(r["strategy"], x) for r in with_rounds for x in sorted(r["rounds"], key=lambda x: x["round"])
+             if x.get("plan")]
+    if plans:
+        lines += ["", "Plans per round (the digest tells whether rounds ran the same plan):", ""]
+        for name, x in plans:
+            plan = x["plan"]
+            credit = plan["credit_bytes"] / (1 << 20) if plan["credit_bytes"] is not None else None
+            lines.append(f"- {name} round {x['round']}: plan {str(plan['digest'])[:12]}, predicted "
+                         f"{_fmt(plan['predicted_step_s'], '.3f')} s, measured {_fmt(x['step_time_s'], '.3f')} s; "
+                         f"{plan['groups']} groups, {plan['pieces']} pieces, credit {_fmt(credit, '.2f')} MiB, "
+                         f"{'/'.join(plan['algorithms'] or [])}")
     return lines
 
 

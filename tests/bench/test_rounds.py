@@ -69,6 +69,31 @@ def test_the_median_of_rounds_and_a_speedup_paired_within_each_round():
     assert "Per round" in text and "| fast | 0.800 (1.25x, #2) | 1.200 (1.25x, #1)" in text
 
 
+def _planned(steps, rnd, digest, predicted):
+    phase = _phase("planned", steps, rnd)
+    plan = {"path": "/gone/plan.json", "digest": digest, "predicted": {"step_time_s": predicted}, "groups": 7,
+            "pieces": 30, "credit_bytes": 2 << 20, "algorithms": ["ring"], "plan_s": 3.0,
+            "plan": {"digest": digest, "pieces": []}}
+    phase.ranks[0]["stats"] = {"plan_file": plan}
+    return phase
+
+
+def test_each_planned_round_keeps_the_plan_it_ran():
+    # Round 2 ran another plan (the solver's time limit) and was slow: the report must show it.
+    ddp = [_phase("ddp", [1.0] * 4, r) for r in range(3)]
+    planned = [_planned([0.8] * 4, 0, "a" * 64, 0.79), _planned([1.3] * 4, 1, "b" * 64, 0.95),
+               _planned([0.81] * 4, 2, "a" * 64, 0.79)]
+    report = _report([ddp, planned])
+    p = report["results"][1]
+    assert [x["plan"]["digest"][0] for x in p["rounds"]] == ["a", "b", "a"]
+    assert p["rounds"][1]["plan"]["predicted_step_s"] == 0.95 and p["rounds"][0]["plan"]["groups"] == 7
+    assert p["stats"]["plan_file"]["plan"]["digest"] == "a" * 64  # the representative round's whole plan
+    assert report["results"][0]["rounds"][0]["plan"] is None
+    text = markdown(report)
+    assert "- planned round 2: plan bbbbbbbbbbbb, predicted 0.950 s, measured 1.300 s; 7 groups, 30 pieces, " \
+           "credit 2.00 MiB, ring" in text
+
+
 def test_a_failed_round_is_listed_warned_and_left_out_of_the_figures():
     ddp = [_phase("ddp", [1.0] * 4, 0), _phase("ddp", [1.0] * 4, 1)]
     flaky = [_phase("flaky", [0.5] * 4, 0), _phase("flaky", [], 1, status="failed")]

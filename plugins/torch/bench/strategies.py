@@ -226,18 +226,26 @@ class PlannedStrategy(CommschedStrategy):
     writes ``<run_dir>/plan.json`` and posts its digest (or why it failed) to the rendezvous
     store, where the other ranks wait for it (up to the phase timeout: profiling can take
     minutes, longer than a collective's timeout). ``stats()`` records the plan's path, digest
-    and predicted step for the report.
+    and predicted step for the report, and on rank 0 the plan itself (``plan_file["plan"]``):
+    the run directory is deleted after a good run, and a plan that ran slow must stay readable.
     """
 
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
                  timeline: str | None) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
         self.plan_info = _shared_plan(run_spec, rank, path)
+        self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
                          timeline, plan=path)
 
     def stats(self) -> dict[str, Any]:
-        return dict(super().stats(), plan_file=dict(self.plan_info))
+        info = dict(self.plan_info)
+        if self._rank == 0:
+            import json
+
+            with open(info["path"], encoding="utf-8") as fh:
+                info["plan"] = json.load(fh)
+        return dict(super().stats(), plan_file=info)
 
 
 #: The planner's search budget in the benchmark (seconds of MILP after the greedy grid).
