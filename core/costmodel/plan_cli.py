@@ -47,6 +47,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credits-mb", default=None, help="credits to search, MB (default 1,4,16,64)")
     p.add_argument("--fusions-mb", default=None, help="fusion thresholds to search, MB; 0 = none "
                                                       "(default 0,0.25,1,4)")
+    p.add_argument("--min-gain", type=float, default=0.05,
+                   help="keep the runtime default (1 MiB pieces, 4 MiB credit, no fusion, ring) unless the best plan "
+                        "is predicted this share faster (default 0.05, the model's error; 0 = take any gain)")
     p.add_argument("--compare", default=COMPARE, help=f"strategies simulated beside the plan (default {COMPARE})")
 
 
@@ -89,7 +92,7 @@ def run_plan(args: argparse.Namespace) -> int:
         overrides = {k: v for k, v in (("partitions", _sizes(args.partitions_mb, "--partitions-mb")),
                                        ("credits", _sizes(args.credits_mb, "--credits-mb")),
                                        ("fusions", _sizes(args.fusions_mb, "--fusions-mb"))) if v is not None}
-        search = PlanSearch.for_profile(profile, time_limit_s=args.time_limit, **overrides)
+        search = PlanSearch.for_profile(profile, time_limit_s=args.time_limit, min_gain=args.min_gain, **overrides)
         compare = [s.strip() for s in args.compare.split(",") if s.strip()]
     except (ValueError, TypeError) as exc:
         print(f"commsched plan: {exc}", file=sys.stderr)

@@ -167,11 +167,42 @@ def test_where_the_model_cannot_tell_plans_apart_the_one_with_fewer_collectives_
     assert len(strict.plan.pieces) == 40  # without the tie rule the model keeps one collective per tensor
 
 
+def test_a_predicted_gain_inside_the_margin_keeps_the_runtime_default_plan():
+    # The grid holds the runtime default (1 MiB pieces, 4 MiB credit, no fusion, ring). Without a
+    # margin the search departs from it for what the model calls faster; with a margin larger than
+    # that gain the default's own EDD plan is the result, and the report says why.
+    grid = dict(partitions=(256 * KB, 1 * MB, 4 * MB), credits=(1 * MB, 4 * MB), fusions=(0, 256 * KB),
+                time_limit_s=1.0, size_rounds=1, size_groups=3)
+    topo = flat()
+    free = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.0))
+    default, default_result = greedy_plan(MIXED, topo, make_groups(MIXED, 0, 1 * MB), 4 * MB, "ring", steps=4)
+    gain = 1 - free.step_time_s / default_result.step_time_s
+    assert 0 < gain < 0.45, "the model must see some gain off the default for this test to mean anything"
+    assert not any(s["stage"].startswith("margin") for s in free.stages)
+    kept = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=min(0.49, gain + 0.02)))
+    assert kept.plan.digest == default.digest and kept.step_time_s == pytest.approx(default_result.step_time_s)
+    assert kept.stages[-1]["stage"] == "margin: the runtime default kept" and f"{100 * gain:.1f} %" in \
+        kept.stages[-1]["what"]
+    below = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=max(0.0, gain - 0.02)))
+    assert below.plan.digest == free.plan.digest  # a gain above the margin is taken
+
+
+def test_a_large_gain_passes_the_margin_two_level():
+    prof = model([[4 * MB], [4 * MB], [4 * MB]], fwd=0.005, bwd=0.01)
+    search = PlanSearch(partitions=(1 * MB, 4 * MB), credits=(4 * MB, 8 * MB), fusions=(0,), time_limit_s=1.0,
+                        size_rounds=1, size_groups=3)
+    result = make_plan(prof, two_level(), search)
+    assert {p.algorithm for p in result.plan.pieces} == {"hierarchical"}
+    assert not any(s["stage"].startswith("margin") for s in result.stages)
+
+
 def test_bad_search_settings_name_the_field():
     with pytest.raises(ValueError, match="partitions"):
         PlanSearch(partitions=())
     with pytest.raises(ValueError, match="algorithm_rules"):
         PlanSearch(algorithm_rules=("tree",))
+    with pytest.raises(ValueError, match="min_gain"):
+        PlanSearch(min_gain=0.7)
     with pytest.raises(ValueError, match="time_limit_s"):
         PlanSearch(time_limit_s=0)
     with pytest.raises(ValueError, match="fused group"):
