@@ -50,6 +50,9 @@ __all__ = ["Backend", "Piece", "Scheduler", "Task", "Ticket"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.25  # how often a blocked wait looks for another rank's abort
+#: The largest piece :meth:`Scheduler.submit` launches on the submitting (training) thread; bigger
+#: ones go to the dispatch thread, which launches them beside backward.
+INLINE_MAX_BYTES = 1 << 20
 
 
 class Scheduler(Closeable):
@@ -94,7 +97,8 @@ class Scheduler(Closeable):
         self._dispatch_cv, self._complete_cv, self._publish_cv, self._idle_cv = (
             threading.Condition(self._lock) for _ in range(4))
         self._closing = self._closed = False
-        # submit() starts what the policy allows right away, on the caller's thread, and the dispatch
+        # submit() starts what the policy allows right away, on the caller's thread (pieces up to
+        # INLINE_MAX_BYTES; bigger ones go through ``_handoff``), and the dispatch
         # thread only starts what completions and decisions release later: one thread hop less per
         # piece (on 2 busy cores the hop cost more than the piece; docs/ARCHITECTURE.md). gloo and NCCL
         # match collectives by issue order, so deciding and starting happen together under
@@ -102,6 +106,10 @@ class Scheduler(Closeable):
         # harmless where the engine negotiates order itself (Horovod). The dispatch thread sleeps only
         # while ``_work_gen`` says nothing changed since it decided.
         self._issue_lock = threading.Lock()
+        # Pieces decided on a submitting thread but too big to launch there (the engine's launch of a
+        # large piece on the training thread delays backward; INLINE_MAX_BYTES): the dispatch thread
+        # starts them first, before anything decided after them.
+        self._handoff: list[Piece] = []
         self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
         self._threads: list[threading.Thread] = []
         self._spawn("dispatch", self._dispatch_loop)
@@ -157,6 +165,10 @@ class Scheduler(Closeable):
         with self._issue_lock:  # decided and started in one order, whichever thread issues next
             with self._lock:
                 task, batch = self._submit_locked(name, priority, on_done, ready, tensor, bounds)
+                if batch and (self._handoff or any(p.nbytes > INLINE_MAX_BYTES for p in batch)):
+                    self._handoff += batch  # after what is handed off already: the decided order
+                    batch = []
+                    self._poke_dispatch()
             self._start(batch)
         return task.future
 
@@ -364,7 +376,8 @@ class Scheduler(Closeable):
                     if self._closing or self._state.error is not None:
                         return
                     seen = self._work_gen
-                    batch = self._decide_locked()
+                    handoff, self._handoff = self._handoff, []
+                    batch = handoff + self._decide_locked()
                 if batch:
                     self._start(batch)
                     continue

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from commsched import Scheduler, SchedulerConfig
+from commsched import scheduler as scheduler_module
 from commsched.backends import ArrayOps, InProcessWorld
 from commsched.store import InMemoryStore
 
@@ -386,6 +387,39 @@ def test_submit_starts_what_fits_on_its_own_thread(negotiates):
         sched.mark_step()
         for f in futures:
             sched.wait(f, timeout=5)
+
+
+@pytest.mark.parametrize("negotiates", [True, False], ids=["negotiating", "issue-ordered"])
+def test_pieces_too_big_to_launch_inline_go_from_the_dispatch_thread_in_the_decided_order(negotiates, monkeypatch):
+    # The engine's launch of a large piece on the training thread delays backward, so submit()
+    # hands pieces over INLINE_MAX_BYTES to the dispatch thread; what is decided while any is
+    # still handed over, even small, follows it there, so the engine sees the decided order.
+    monkeypatch.setattr(scheduler_module, "INLINE_MAX_BYTES", 16)
+    started: list[tuple[str, str]] = []
+
+    def start(_self, piece, done):
+        started.append((piece.name, threading.current_thread().name))
+        done(None)
+
+    backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": negotiates, "start": start})()
+    cfg = SchedulerConfig(partition_bytes=1 << 20, credit_bytes=1 << 20, timeout_s=10)
+    names = []
+    with Scheduler(backend, ArrayOps(), cfg) as sched:
+        futures = []
+        for i in range(60):  # big, small, big, small, ...: priorities rise, so decided = submitted
+            name = f"t{i}"
+            names.append(f"{name}#0")
+            futures.append(sched.submit(name, doubles(4 if i % 2 == 0 else 1, 1.0), priority=i))
+        sched.mark_step()
+        for f in futures:
+            sched.wait(f, timeout=5)
+        sched.synchronize(timeout=5)
+        later = sched.submit("later", doubles(1, 1.0))  # nothing handed over now: launched right here
+        sched.wait(later, timeout=5)
+    assert [name for name, _ in started] == names + ["later#0"]
+    threads = dict(started)
+    assert all(threads[f"t{i}#0"] == "commsched-dispatch-r0" for i in range(0, 60, 2))
+    assert threads["later#0"] == threading.current_thread().name
 
 
 def test_a_name_submitted_twice_in_a_step_before_it_started_is_rejected():
