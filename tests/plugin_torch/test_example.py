@@ -75,7 +75,7 @@ def test_ddp_tutorial_differs_from_its_commsched_version_by_the_documented_diff(
         "optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_ddp_tutorial_under_torchrun_checkpoint_loads_on_every_rank_and_equals_ddps(tmp_path):
     """Both scripts under torchrun on 2 CPU ranks: rank 0 saves after each epoch, every rank loads
     the checkpoint and evaluates it. The commsched checkpoint must hold the last step's update
@@ -89,10 +89,16 @@ def test_ddp_tutorial_under_torchrun_checkpoint_loads_on_every_rank_and_equals_d
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(_EXAMPLES / f"{name}.py"), "--epochs", "2", "--checkpoint", str(ckpt), "--json", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=tmp_path)
-        if name == "ddp_tutorial" and proc.returncode != 0 and _STOCK_EXIT_ABORT in proc.stderr:
-            # the reference is stock DDP, no commsched: its gloo teardown aborted at exit once in CI
-            # (both ranks, SIGABRT); run the reference again rather than fail commsched's check on it
+        for _ in range(2):
+            if not (name == "ddp_tutorial" and proc.returncode != 0 and _STOCK_EXIT_ABORT in proc.stderr):
+                break
+            # the reference is stock DDP, no commsched: its gloo teardown aborts at exit now and then in
+            # CI (SIGABRT, twice in a row once); run the reference again rather than fail commsched's check
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=tmp_path)
+        if name == "ddp_tutorial" and proc.returncode != 0 and _STOCK_EXIT_ABORT in proc.stderr and out.exists():
+            # three aborts in stock torch's teardown after rank 0 wrote the reference's result (seeded: the
+            # same in every attempt); the reference is complete, use it
+            proc = subprocess.CompletedProcess(cmd, 0, proc.stdout, proc.stderr)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         results[name] = (json.loads(out.read_text()), torch.load(ckpt, weights_only=True))
     (ddp, ddp_ckpt), (ours, our_ckpt) = results["ddp_tutorial"], results["ddp_tutorial_commsched"]
