@@ -22,9 +22,11 @@ The tuner (:class:`Tuner`)
 Rank 0 only. A *sample* is one setting run for ``settle`` steps (not scored: the switch
 itself) plus ``sample_steps`` scored steps; its score is the median step period, its noise
 the spread of those periods (half the inter-quartile range, at least 0.5 % of the median).
-The first samples are the start point (the cost model's recommendation when there is one),
-the config's own settings and plain ``fifo`` without partition or credit (which wins where
-communication is hidden already); then a sampler proposes (Optuna's TPE: ask/tell over the
+The first samples are the start points (the cost model's recommendations when there are any,
+:func:`model_starts`: the planner's plan where it is predicted ahead of the runtime settings
+by more than the model's error, then the advised runtime setting), the config's own settings
+and plain ``fifo`` without partition or credit (which wins where communication is hidden
+already); then a sampler proposes (Optuna's TPE: ask/tell over the
 discrete :class:`SearchSpace`). A sample replaces the incumbent only if its median beats
 the incumbent's by more than both spreads; such a winner is *confirmed* by a second sample
 of the same setting before it is kept (the incumbent is thus always measured at least
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Protocol
@@ -52,14 +55,17 @@ from typing import Any, Callable, Optional, Protocol
 from commsched.errors import CommschedError, CommschedTimeout
 from commsched.progress import Progress
 
-__all__ = ["AgreedSwitch", "Decision", "SearchSpace", "Settings", "Tuner", "UNLIMITED_BYTES", "OptunaSampler",
-           "Sampler", "spread"]
+__all__ = ["AgreedSwitch", "Decision", "PLANNED", "SearchSpace", "Settings", "Tuner", "UNLIMITED_BYTES",
+           "OptunaSampler", "Sampler", "ModelStarts", "model_starts", "spread"]
 
 log = logging.getLogger("commsched.tuner")
 
 #: "No partition" / "no credit": larger than any tensor (what the benchmark's ``fifo`` uses).
 UNLIMITED_BYTES = 1 << 40
 KIB, MIB = 1 << 10, 1 << 20
+#: The ordering of a start point that runs a plan of the cost model's planner (:func:`model_starts`);
+#: outside :class:`SearchSpace` (a plan is one point, made for this model and topology, not a grid axis)
+PLANNED = "planned"
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,10 @@ class Settings:
     partition_bytes: int
     credit_bytes: int
     fusion_bytes: int
+    #: ``ordering="planned"``: the digest of the plan the cost model made for this run (the driver
+    #: holds the plan itself and sends it with the decision); its sizes and credit are the plan's
+    #: (``partition_bytes`` its largest piece); "" for the other orderings
+    plan: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,15 +87,19 @@ class Settings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Settings":
         return cls(str(data["ordering"]), int(data["partition_bytes"]), int(data["credit_bytes"]),
-                   int(data["fusion_bytes"]))
+                   int(data["fusion_bytes"]), str(data.get("plan", "")))
 
     def describe(self) -> str:
-        def size(n: int) -> str:
-            if n >= UNLIMITED_BYTES:
-                return "none"
-            return f"{n // MIB}MiB" if n >= MIB and n % MIB == 0 else f"{n // KIB}KiB" if n % KIB == 0 else str(n)
-        return (f"{self.ordering} partition={size(self.partition_bytes)} credit={size(self.credit_bytes)} "
-                f"fusion={size(self.fusion_bytes) if self.fusion_bytes else 'off'}")
+        if self.ordering == PLANNED:
+            return f"planned (plan {self.plan[:12]}, credit={_size(self.credit_bytes)})"
+        return (f"{self.ordering} partition={_size(self.partition_bytes)} credit={_size(self.credit_bytes)} "
+                f"fusion={_size(self.fusion_bytes) if self.fusion_bytes else 'off'}")
+
+
+def _size(n: int) -> str:
+    if n >= UNLIMITED_BYTES:
+        return "none"
+    return f"{n // MIB}MiB" if n >= MIB and n % MIB == 0 else f"{n // KIB}KiB" if n % KIB == 0 else str(n)
 
 
 @dataclass(frozen=True)
@@ -158,7 +172,7 @@ class OptunaSampler:
         if trials:
             self._study.tell(trials.pop(0), score)
         else:  # a setting the tuner chose itself (a start point): a finished trial at its nearest grid point
-            params = self._space.nearest(settings).to_dict()
+            params = {k: v for k, v in self._space.nearest(settings).to_dict().items() if k in self._dists}
             self._study.add_trial(self._optuna.trial.create_trial(params=params, distributions=self._dists,
                                                                   value=score))
 
@@ -172,6 +186,64 @@ def spread(periods: list[float]) -> float:
     else:
         half_iqr = (max(periods) - min(periods)) / 2
     return max(half_iqr, 0.005 * med)
+
+
+@dataclass
+class ModelStarts:
+    """What the cost model recommends ``ordering="auto"`` to measure first (:func:`model_starts`)."""
+
+    starts: list[Settings]  # best predicted first
+    plans: dict[str, dict]  # digest -> ``Plan.to_dict()`` of each planned start
+    notes: list[str]  # one line per recommendation (or why there is none), for the log
+
+
+def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan: bool = True, plan_min_gain: float = 0.05,
+                 plan_time_limit_s: float = 10.0) -> ModelStarts:
+    """The cost model's start points for the tuner, best predicted first: the advised runtime
+    setting (``commsched.costmodel.cli.advise``: ``fifo``, or ``dynamic`` with its best piece size
+    x credit) and, with ``plan``, the planner's plan (:func:`commsched.costmodel.planner.make_plan`)
+    where it is predicted more than ``plan_min_gain`` ahead of that setting, the model's measured
+    error (what only a plan chooses: the two-level algorithm per piece, per-tensor sizes, fused
+    groups; on one flat link EDD is already optimal and the plan rarely passes). A part that fails
+    (no planner installed, a profile the model cannot read) is left out with a note: the model is
+    a head start, never a requirement."""
+    starts: list[Settings] = []
+    plans: dict[str, dict] = {}
+    notes: list[str] = []
+    advised_s = None
+    try:
+        from commsched.costmodel.cli import advise
+
+        advice = advise(profile, topology)
+        a = advice["settings"]
+        advised = Settings(a["ordering"], a.get("partition_bytes", UNLIMITED_BYTES),
+                           a.get("credit_bytes", UNLIMITED_BYTES), fusion_bytes)
+        advised_s = float(advice["commsched_step_s"])
+        starts.append(advised)
+        notes.append(f"cost model recommends {advised.describe()} (predicted {advised_s * 1e3:.2f} ms)")
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        notes.append(f"no cost-model recommendation ({exc!r})")
+    if not plan:
+        return ModelStarts(starts, plans, notes)
+    try:
+        from commsched.costmodel.planner import make_plan
+
+        result = make_plan(profile, topology, time_limit_s=plan_time_limit_s)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        notes.append(f"no plan to try ({exc!r})")
+        return ModelStarts(starts, plans, notes)
+    against = advised_s if advised_s is not None else float(result.plan.predicted.get("dynamic_step_s", math.inf))
+    gain = 1 - result.step_time_s / against if against > 0 else 0.0
+    if gain > plan_min_gain:
+        digest = result.plan.digest
+        plans[digest] = result.plan.to_dict()
+        starts.insert(0, Settings(PLANNED, 0, result.plan.credit_bytes, 0, digest))
+        notes.append(f"planner's plan {digest[:12]} predicted {result.step_time_s * 1e3:.2f} ms, {gain:.1%} ahead: "
+                     "measured first")
+    else:
+        notes.append(f"planner's plan predicted {result.step_time_s * 1e3:.2f} ms, {gain:.1%} ahead of the advised "
+                     f"setting (not more than {plan_min_gain:.0%}): not tried")
+    return ModelStarts(starts, plans, notes)
 
 
 @dataclass
@@ -351,8 +423,8 @@ class Tuner:
                 self.incumbent_score = min(self.incumbent_score, score)
                 self.incumbent_spread = max(self.incumbent_spread, noise)
             record["verdict"] = "not better"
-        if not cur.confirm and self.sampler is not None:
-            self.sampler.tell(cur.settings, score)
+        if not cur.confirm and self.sampler is not None and cur.settings.ordering in self.space.orderings:
+            self.sampler.tell(cur.settings, score)  # a plan is not a point of the sampler's grid
         gain = (previous - score) / previous if previous < float("inf") else 0.0
         self._gains.append(max(0.0, gain))
         self.history.append(record)

@@ -178,7 +178,15 @@ class TorchBackend:
             raise ValueError("the hierarchical all-reduce runs on the default group's ranks; leave "
                              "process_group=None to use it")
         if self._hierarchical is not None:
-            raise ValueError("use_hierarchical() was called twice on this backend")
+            # a later plan on the same engine (ordering="auto" returning to a planned start): the same
+            # process groups serve it; other shapes would need groups made again on every rank
+            first = self._hierarchical
+            if (nodes, ranks_per_node, bool(every_piece)) == (first.nodes, first.ranks_per_node,
+                                                              self._every_piece_hierarchical):
+                return
+            raise ValueError("use_hierarchical() was called twice on this backend with different arguments "
+                             f"({nodes}x{ranks_per_node}, every_piece={every_piece}; first "
+                             f"{first.nodes}x{first.ranks_per_node})")
         self._hierarchical = HierarchicalAllReduce(nodes, ranks_per_node, timeout_s=self.timeout_s)
         self._every_piece_hierarchical = bool(every_piece)
 

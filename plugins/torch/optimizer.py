@@ -50,7 +50,7 @@ from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
-from commsched.tuner import UNLIMITED_BYTES, AgreedSwitch, Decision, Settings, Tuner
+from commsched.tuner import PLANNED, UNLIMITED_BYTES, AgreedSwitch, Decision, Settings, Tuner, model_starts
 from commsched.plugins.torch.backends import default_store, make_backend, resolve_backend
 from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
@@ -249,6 +249,9 @@ DEFAULT_BANDWIDTH = "10gbit"
 #: The tuner's settings (docs/tuning.md): 1 settle + 4 scored steps per sample, at most 20 samples.
 TUNER_OPTIONS: dict[str, Any] = dict(sample_steps=4, settle=1, max_samples=20, min_gain=0.02, drift=0.05,
                                      check_every=50)
+#: ``"auto"`` measures the planner's plan first where the model predicts it this much ahead of the
+#: advised runtime setting (the planner's own margin: the model's measured error); else not at all.
+AUTO_PLAN_MIN_GAIN = 0.05
 
 tuner_log = logging.getLogger("commsched.tuner")
 
@@ -499,6 +502,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._retired: list[dict[str, Any]] = []  # stats of the schedulers replaced at switches
         self._switches: list[dict[str, Any]] = []  # every decision taken, on every rank
         self._tuner: Any = None  # rank 0 of ordering="auto", from the first decision on
+        self._auto_plans: dict[str, dict] = {}  # rank 0 of auto: digest -> the plan of each planned start
         self._pending_decision: Optional[int] = None  # step k whose decision applies from k+2
         self._next_decision: Optional[int] = ADAPT_RECORD_STEPS - 1 if self._adaptive else None
         self._last_step_end: Optional[float] = None
@@ -601,8 +605,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 return self._plan_decision()
             if self._tuner is None:
                 self._tuner = self._make_tuner()
-                return self._tuner.first(ended)
-            return self._tuner.decide(ended)
+                return self._with_plan(self._tuner.first(ended))
+            return self._with_plan(self._tuner.decide(ended))
         except Exception as exc:  # noqa: BLE001 - every rank must hear why
             tuner_log.exception("rank 0 could not decide the settings at step %d", ended)
             return Decision(error=f"{type(exc).__name__}: {exc}", reason="failed")
@@ -658,23 +662,26 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         return Decision(plan=result.plan.to_dict(), reason=reason)
 
     def _make_tuner(self) -> Any:
-        """The tuner of ``ordering="auto"``: starts at the cost model's recommendation for the profile
-        of the first steps (``commsched.costmodel.cli.advise``), then the config's own settings and
-        plain fifo without partition or credit."""
+        """The tuner of ``ordering="auto"``: starts at the cost model's recommendations for the profile
+        of the first steps on the topology (:func:`commsched.tuner.model_starts`: the planner's plan
+        where it is predicted more than :data:`AUTO_PLAN_MIN_GAIN` ahead, then the advised setting),
+        then the config's own settings and plain fifo without partition or credit."""
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
                        self._requested.fusion_bytes)
         plain_fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, self._requested.fusion_bytes)
-        start = own
-        try:
-            from commsched.costmodel.cli import advise
+        found = model_starts(self.profile(), self._topology_or_default(), self._requested.fusion_bytes,
+                             plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S)
+        for note in found.notes:
+            tuner_log.info("%s", note)
+        self._auto_plans = found.plans
+        starts = found.starts or [own]
+        return Tuner(starts[0], extra_starts=(*starts[1:], own, plain_fifo), **TUNER_OPTIONS)
 
-            advice = advise(self.profile(), self._topology_or_default())["settings"]
-            start = Settings(advice["ordering"], advice.get("partition_bytes", UNLIMITED_BYTES),
-                             advice.get("credit_bytes", UNLIMITED_BYTES), self._requested.fusion_bytes)
-            tuner_log.info("cost model recommends %s", start.describe())
-        except Exception as exc:  # noqa: BLE001 - the model is a head start, not a requirement
-            tuner_log.warning("no cost-model recommendation (%r); the tuner starts from the config", exc)
-        return Tuner(start, extra_starts=(own, plain_fifo), **TUNER_OPTIONS)
+    def _with_plan(self, decision: Decision) -> Decision:
+        """Rank 0: a decision to run a planned start carries its plan, for every rank."""
+        if decision.settings is not None and decision.settings.ordering == PLANNED:
+            decision.plan = self._auto_plans[decision.settings.plan]
+        return decision
 
     def _apply_decision(self, decided: int, decision: Decision) -> None:
         """Every rank, at the end of step ``decided + 1``: the same change, or the same error."""

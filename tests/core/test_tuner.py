@@ -175,3 +175,87 @@ def test_a_lucky_first_measurement_is_not_kept_when_the_confirmation_does_not_re
     verdicts = [h.get("verdict") for h in tuner.history]
     assert verdicts[:3] == ["first incumbent", "better: confirm", "not confirmed"], verdicts
     assert tuner.incumbent == DEFAULT
+
+
+# ------------------------------------------------------------------ the cost model's start points
+def _profile(sizes_mb: list[float], fwd: float, bwd: float):
+    from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+
+    layers = tuple(LayerProfile(name=f"l{i}", forward_s=fwd, backward_s=bwd, apply_s=0.001,
+                                tensors=(TensorSpec(f"l{i}.w", int(mb * MIB) // 4, 4),))
+                   for i, mb in enumerate(sizes_mb))
+    return Profile(layers=layers, per_piece_cpu_s=10e-6)
+
+
+def _topology(nodes: int, per_node: int, inter: float, intra: float):
+    from commsched.costmodel.topology import Link, Topology
+
+    return Topology(nodes=nodes, ranks_per_node=per_node, intra=Link(50e-6, intra), inter=Link(50e-6, inter))
+
+
+def test_on_two_nodes_the_planners_plan_is_the_first_start_and_carries_its_plan():
+    from commsched.tuner import PLANNED, model_starts
+    from commsched.plan import Plan
+
+    prof = _profile([4, 4, 4], fwd=0.005, bwd=0.01)
+    found = model_starts(prof, _topology(2, 2, 62.5e6, 2e9), 0, plan_time_limit_s=1.0)
+    first = found.starts[0]
+    assert first.ordering == PLANNED and first.plan in found.plans, found.notes
+    plan = Plan.from_dict(found.plans[first.plan])
+    assert plan.digest == first.plan and first.credit_bytes == plan.credit_bytes
+    assert {p.algorithm for p in plan.pieces} == {"hierarchical"}  # the two-level algorithm is what it brings
+    assert found.starts[1].ordering in ("dynamic", "fifo")  # the advised runtime setting follows
+    assert "measured first" in found.notes[-1]
+    # the decision that runs it survives the trip through the store
+    again = Decision.decode(Decision(first, 9, "start").encode())
+    assert again.settings == first and "planned (plan " in first.describe()
+
+
+def test_on_one_flat_link_a_plan_inside_the_margin_is_not_tried():
+    from commsched.tuner import PLANNED, model_starts
+
+    prof = _profile([4, 4, 4], fwd=0.05, bwd=0.1)  # compute-bound: nothing for a plan to win
+    found = model_starts(prof, _topology(2, 1, 125e6, 125e6), 256 << 10, plan_time_limit_s=1.0)
+    assert [s.ordering for s in found.starts] != [] and all(s.ordering != PLANNED for s in found.starts)
+    assert found.plans == {} and "not tried" in found.notes[-1]
+    assert found.starts[0].fusion_bytes == 256 << 10  # the config's fusion stays
+
+
+def test_without_a_planner_the_advice_alone_is_the_start(monkeypatch):
+    import builtins
+
+    from commsched.tuner import model_starts
+
+    real_import = builtins.__import__
+
+    def no_planner(name, *args, **kwargs):
+        if name == "commsched.costmodel.planner":
+            raise ImportError("No module named 'highspy'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_planner)
+    found = model_starts(_profile([4, 4], 0.005, 0.01), _topology(2, 2, 62.5e6, 2e9), 0, plan_time_limit_s=1.0)
+    assert len(found.starts) == 1 and found.plans == {} and "highspy" in found.notes[-1]
+
+
+def test_a_planned_start_is_measured_but_never_told_to_the_sampler():
+    from commsched.tuner import PLANNED
+
+    class Recording:
+        def __init__(self):
+            self.told, self.asked = [], 0
+
+        def ask(self):
+            self.asked += 1
+            return Settings("dynamic", (1 + self.asked % 3) * MIB, 16 * MIB, 0)
+
+        def tell(self, settings, score):
+            self.told.append(settings)
+
+    planned = Settings(PLANNED, 0, 8 * MIB, 0, "abc123")
+    sampler = Recording()
+    tuner = Tuner(planned, extra_starts=(DEFAULT, FIFO_PLAIN), sampler=sampler, max_samples=6)
+    out = drive(tuner, lambda s: 0.080 if s.ordering == PLANNED else 0.120, 200)
+    assert tuner.history[0]["settings"]["ordering"] == PLANNED
+    assert all(s.ordering != PLANNED for s in sampler.told) and DEFAULT in sampler.told
+    assert out["running"] == planned and tuner.incumbent == planned  # the measured best is kept

@@ -100,7 +100,8 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          steps=10, cross=1, delay=0.0, dtype="float32", accum=1, lr_scheduler=False,
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
-                         alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0)
+                         alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0,
+                         auto_plan=False)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -161,11 +162,19 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
     if sc["fast_tuner"]:  # ordering="auto" in few steps: 1 settle + 2 scored steps per sample, 6 samples
         from commsched.plugins.torch import optimizer as optimizer_module
         optimizer_module.TUNER_OPTIONS.update(sample_steps=2, settle=1, max_samples=6, check_every=4)
+        # auto_plan: the planner's plan is a start whatever its predicted gain (measured first)
+        optimizer_module.AUTO_PLAN_MIN_GAIN = -1.0 if sc["auto_plan"] else 0.05
     started = time.monotonic()
     opt = None
     try:
+        topology = None
+        if sc["ordering"] == "auto" and sc["nodes"] > 1:  # the tuner's model sees two nodes behind a slow link
+            from commsched.costmodel.topology import Link, Topology
+            topology = Topology(nodes=sc["nodes"], ranks_per_node=world // sc["nodes"], intra=Link(50e-6, 2e9),
+                                inter=Link(50e-6, 1e6))  # slow: the gradient dominates
         opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
-                                   config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"])
+                                   config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"],
+                                   topology=topology)
         result["hierarchical_threads"] = sum(t.name.startswith("commsched-hier-") for t in threading.enumerate())
         if sc["desync_init"]:  # the reference starts from rank 0's weights, as commsched broadcast them
             ref.load_state_dict(model.state_dict())

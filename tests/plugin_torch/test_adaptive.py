@@ -134,3 +134,23 @@ def test_slack_priority_needs_the_model_and_dynamic_ordering():
                              config=commsched.SchedulerConfig(priority="slack", cross_iteration=False))
     with pytest.raises(ValueError, match="priority='slack' ranks the pieces rank 0 decides under ordering='dynamic'"):
         commsched.SchedulerConfig(priority="slack", ordering="auto")
+
+
+def test_auto_measures_the_planners_plan_first_when_the_model_predicts_it_ahead(fast_tuner, monkeypatch):
+    monkeypatch.setattr(optimizer_module, "AUTO_PLAN_MIN_GAIN", -1.0)  # any plan passes: it is measured first
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="auto", timeout_s=30))
+    at = optimizer_module.ADAPT_RECORD_STEPS + 1  # decided at the end of step 3, runs from step 5
+    train(opt, model, at + 1)
+    during = opt.stats()
+    train(opt, model, 40)
+    stats = opt.stats()
+    opt.close()
+    first = stats["tuner"]["switches"][0]
+    assert first["plan"] is True and first["settings"]["ordering"] == "planned" and first["settings"]["plan"]
+    assert during["ordering"] == "planned" and during["plan"]["pieces"] > 0
+    assert stats["tuner"]["history"][0]["settings"]["ordering"] == "planned"
+    assert stats["tuner"]["phase"] == "settled" and stats["requested_ordering"] == "auto"
+    # it moved on to the runtime settings afterwards, on the same engine (the plan's process groups kept)
+    assert any(s["settings"] and s["settings"]["ordering"] != "planned" for s in stats["tuner"]["switches"][1:])

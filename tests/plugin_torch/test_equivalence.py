@@ -147,6 +147,19 @@ def test_planned_with_fused_groups_and_per_group_piece_sizes_is_bitwise_on_two_r
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
+def test_auto_on_two_nodes_runs_the_planners_two_level_plan_first_and_stays_allclose(ranks):
+    item = {"ordering": "auto", "nodes": 2, "optimizer": "adam", "fast_tuner": True, "steps": 20}
+    results = ranks(4, *scenarios(item), timeout=220)
+    check_all(results, exact=False)
+    switches = [r[0]["stats"]["tuner"]["switches"] for r in results]
+    assert all(s == switches[0] for s in switches)  # every rank took the same decisions at the same steps
+    first = switches[0][0]  # the model predicts the two-level plan far ahead: it runs first, no margin forced
+    assert first["plan"] is True and first["settings"]["ordering"] == "planned", switches[0]
+    history = results[0][0]["stats"]["tuner"]["history"]
+    assert history[0]["settings"]["ordering"] == "planned" and len(history) >= 2
+
+
 def test_planned_hierarchical_pieces_on_two_nodes_of_two_ranks_allclose_to_the_reference(ranks):
     items = [{"plan": "fused", "nodes": 2, "optimizer": "adam", "steps": 4},
              {"plan": "fused", "nodes": 2, "optimizer": "sgd_momentum", "cross": 0, "steps": 3}]
@@ -233,6 +246,7 @@ def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise
              {"ordering": "auto", "optimizer": "sgd_momentum", "fast_tuner": True, "steps": 22, "cross": 0},
              {"ordering": "auto", "optimizer": "adamw", "fast_tuner": True, "steps": 22, "delay": 0.002,
               "lr_scheduler": True},
+             {"ordering": "auto", "optimizer": "adam", "fast_tuner": True, "steps": 26, "auto_plan": True},
              {"ordering": "planned", "optimizer": "adam", "steps": 9},
              {"ordering": "planned", "optimizer": "sgd_momentum", "steps": 8, "cross": 0}]
     results = ranks(2, *scenarios(*items), timeout=220)
@@ -250,3 +264,7 @@ def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise
             changed = [s for s in tuner_a["switches"] if s["settings"] is not None]
             assert len(changed) >= 2, tuner_a["switches"]  # the tuner did move between settings
             assert len(tuner_a["history"]) >= 3
+            if a["scenario"]["auto_plan"]:  # the planner's plan measured first, then the tuner moved on from it
+                assert tuner_a["switches"][0]["plan"] is True and changed[0]["settings"]["ordering"] == "planned"
+                assert tuner_a["history"][0]["settings"]["ordering"] == "planned"
+                assert any(s["settings"]["ordering"] != "planned" for s in changed[1:]), tuner_a["switches"]
