@@ -577,6 +577,33 @@ class PlannedPolicy(DispatchPolicy):
         return self._step, self._pos
 
 
+class PlannedImmediate(ImmediatePolicy):
+    """``ordering="planned"`` on the ranks > 0 of an engine that negotiates order (Horovod): each
+    task cut at its plan group's piece size, checked against the plan and given the plan's
+    algorithm per piece exactly as :class:`PlannedPolicy` does, then started as soon as it is
+    ready (Horovod's coordinator matches pieces by name; rank 0 paces them in the plan's order
+    within its credit). Without the plan's cut here, ranks > 0 would cut at ``partition_bytes``
+    and offer Horovod pieces of other sizes under the same names."""
+
+    mode = "immediate"
+
+    def __init__(self, plan: CommPlan) -> None:
+        super().__init__()
+        self._plan = PlannedPolicy(plan)
+
+    def bounds_for(self, task_name: str, numel: int, element_size: int) -> list[tuple[int, int]]:
+        return self._plan.bounds_for(task_name, numel, element_size)
+
+    def admit(self, step: int, task_name: str, n_pieces: int) -> None:
+        self._plan.admit(step, task_name, n_pieces)
+
+    def step_ended(self, step: int, names: set[str]) -> None:
+        self._plan.step_ended(step, names)
+
+    def algorithm_of(self, piece_name: str) -> str:
+        return self._plan.algorithm_of(piece_name)
+
+
 def agrees_on_order(config: SchedulerConfig, world_size: int, negotiates_order: bool) -> bool:
     """Whether this ordering needs rank 0's decisions carried to the others through a store."""
     return world_size > 1 and not negotiates_order and config.ordering in ("dynamic", "static")
@@ -615,7 +642,7 @@ def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_
     if config.ordering == "planned":  # the plan's order on every rank (one rank: the same), no agreement needed
         plan = load_plan(config)
         if negotiates_order and world_size > 1 and rank != 0:
-            return ImmediatePolicy()
+            return PlannedImmediate(plan)
         return PlannedPolicy(plan)
     if world_size <= 1:
         return PriorityPolicy(credit)

@@ -133,7 +133,18 @@ def test_make_policy_runs_the_plan_on_every_rank_and_needs_no_channel():
         policy = make_policy(config, rank, world, negotiates_order=False)
         assert isinstance(policy, PlannedPolicy) and not policy.publishes and not policy.reads_decisions
     assert isinstance(make_policy(config, 0, 2, negotiates_order=True), PlannedPolicy)
-    assert isinstance(make_policy(config, 1, 2, negotiates_order=True), ImmediatePolicy)
+    follower = make_policy(config, 1, 2, negotiates_order=True)
+    assert isinstance(follower, ImmediatePolicy)  # Horovod orders them: start when ready, no credit
+    leader = make_policy(config, 0, 2, negotiates_order=True)
+    for g in plan.groups:  # but the plan's cut, checks and algorithms, the same as rank 0's (Horovod matches by name)
+        numel, size = plan.group_numel(g), plan.group_element_size(g)
+        assert follower.bounds_for(g.name, numel, size) == leader.bounds_for(g.name, numel, size)
+    for p in plan.pieces:
+        assert follower.algorithm_of(p.name) == leader.algorithm_of(p.name)
+    with pytest.raises(OrderAgreementError, match="not in the plan"):
+        follower.bounds_for("other", 4, 4)
+    with pytest.raises(OrderAgreementError, match="no gradient for"):
+        follower.step_ended(0, set())
     assert not agrees_on_order(config, 4, False)
     assert isinstance(replay_policy("planned", None, plan), PlannedPolicy)
     with pytest.raises(ValueError, match="needs a plan"):
