@@ -367,6 +367,16 @@ def _import_horovod() -> Any:
     return hvd
 
 
+class _HorovodTwoLevel:
+    """The two-level algorithm's shape and this rank's two process sets (``HorovodBackend.use_hierarchical``)."""
+
+    def __init__(self, nodes: int, ranks_per_node: int, every_piece: bool) -> None:
+        self.nodes, self.ranks_per_node, self.every_piece = nodes, ranks_per_node, every_piece
+        self.node_set: Any = None  # this node's ranks (None: flat, nothing two-level to do)
+        self.cross_set: Any = None  # the ranks of this local rank, one per node
+        self.pieces = 0  # pieces reduced by the two-level algorithm so far
+
+
 class HorovodBackend:
     """Pieces as ``hvd.allreduce_async_`` sums (or averages, :meth:`average_in_engine`); a named waiter
     thread reports completions.
@@ -400,13 +410,15 @@ class HorovodBackend:
         self._hvd = hvd
         self.rank = hvd.rank()
         self.world_size = hvd.size()
-        self._handles: list[tuple[Any, Callable[[Optional[BaseException]], None], str]] = []
+        # (handle, done, name, then): then(result) starts a two-level piece's next phase (None: done)
+        self._handles: list[tuple[Any, Callable[[Optional[BaseException]], None], str, Any]] = []
         self._cv = threading.Condition()
         self._closing = False
         self._close_deadline = 0.0
         self._broken: Optional[tuple[float, BaseException]] = None  # (when, Horovod's first error)
         self._collectives = 0  # object/tensor broadcasts and gathers so far (the same on every rank)
         self._op, self._prescale, self._postscale = hvd.Sum, 1.0, 1.0  # see average_in_engine
+        self._two_level: Optional[_HorovodTwoLevel] = None  # see use_hierarchical
         self._thread = threading.Thread(target=self._wait_loop, name=f"commsched-horovod-r{self.rank}", daemon=False)
         self._thread.start()
 
@@ -420,18 +432,122 @@ class HorovodBackend:
         self._op, self._prescale, self._postscale = self._hvd.Average, 1.0 / float(predivide), float(predivide)
         return True
 
+    def use_hierarchical(self, nodes: int, ranks_per_node: int, *, every_piece: bool = False) -> None:
+        """Reduce pieces whose ``algorithm`` is ``"hierarchical"`` (every piece with ``every_piece``) by
+        the two-level algorithm on Horovod process sets, ranks node-major (rank ``k`` is local rank
+        ``k % r`` of node ``k // r``): a reduce-scatter among the node's ranks, an all-reduce of the
+        shard among the ranks of the same local rank (one per node), an all-gather among the node's
+        ranks. Every rank must call it with the same arguments at the same point: it registers those
+        process sets (``hvd.add_process_set``, which needs Horovod started with dynamic process sets,
+        ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` or ``hvd.init(process_sets="dynamic")``; sets with the same
+        ranks given to ``hvd.init(process_sets=[...])`` are used as they are). On one node or one
+        rank per node pieces take the plain all-reduce."""
+        if nodes < 1 or ranks_per_node < 1 or nodes * ranks_per_node != self.world_size:
+            raise ValueError(f"a hierarchical all-reduce on {nodes} node(s) x {ranks_per_node} rank(s) needs "
+                             f"{nodes * ranks_per_node} Horovod ranks, but there are {self.world_size}; plan for "
+                             "this run's topology (ranks are node-major: rank k is on node k // ranks_per_node)")
+        if self._two_level is not None:
+            first = self._two_level
+            if (nodes, ranks_per_node, bool(every_piece)) == (first.nodes, first.ranks_per_node, first.every_piece):
+                return  # a later plan on the same engine: the same process sets serve it
+            raise ValueError("use_hierarchical() was called twice on this backend with different arguments "
+                             f"({nodes}x{ranks_per_node}, every_piece={every_piece}; first "
+                             f"{first.nodes}x{first.ranks_per_node})")
+        two = _HorovodTwoLevel(nodes, ranks_per_node, bool(every_piece))
+        if nodes > 1 and ranks_per_node > 1:
+            node, local = divmod(self.rank, ranks_per_node)
+            # every rank registers every set, in this one order
+            for n in range(nodes):
+                ps = self._process_set([n * ranks_per_node + i for i in range(ranks_per_node)])
+                if n == node:
+                    two.node_set = ps
+            for i in range(ranks_per_node):
+                ps = self._process_set([n * ranks_per_node + i for n in range(nodes)])
+                if i == local:
+                    two.cross_set = ps
+        self._two_level = two
+
+    def _process_set(self, ranks: list[int]) -> Any:
+        """The Horovod process set of exactly ``ranks``: one given to ``hvd.init``, else a new one."""
+        hvd = self._hvd
+        try:  # sets given to hvd.init(process_sets=[...]) or added before (Horovod's own table)
+            from horovod.torch.mpi_ops import _basics
+            known = _basics._get_process_set_ids_and_ranks()
+        except Exception:  # noqa: BLE001 - a private table; without it, only adding is tried
+            known = {}
+        for set_id, members in known.items():
+            if list(members) == ranks and set_id != 0:
+                ps = hvd.ProcessSet(ranks)
+                ps.process_set_id = set_id
+                return ps
+        try:
+            return hvd.add_process_set(ranks)
+        except ValueError as exc:
+            raise CommschedError(
+                f"the two-level algorithm on Horovod needs a process set of ranks {ranks}, and Horovod cannot add "
+                f"one now ({exc}); start Horovod with dynamic process sets (HOROVOD_DYNAMIC_PROCESS_SETS=1 in "
+                "horovodrun's environment, or hvd.init(process_sets='dynamic')), or pass every node's ranks and "
+                "every local rank's ranks across nodes to hvd.init(process_sets=[...]); or use a plan without "
+                "two-level pieces") from exc
+
     def start(self, piece: Any, done: Callable[[Optional[BaseException]], None]) -> None:
         if not self._hvd.is_initialized():
             raise CommschedError("Horovod was shut down while commsched still had pieces to reduce; call "
                                  "opt.synchronize() and opt.close() before hvd.shutdown()")
         name = f"commsched.{piece.name}"
+        two = self._two_level
+        if two is not None and two.node_set is not None and (
+                two.every_piece or getattr(piece, "algorithm", "ring") == "hierarchical"):
+            self._start_two_level(piece.view, done, name)
+            return
         handle = self._hvd.allreduce_async_(piece.view, name=name, op=self._op, prescale_factor=self._prescale,
                                             postscale_factor=self._postscale)
+        self._track(handle, done, name)
+
+    def _track(self, handle: Any, done: Callable[[Optional[BaseException]], None], name: str,
+               then: Optional[Callable[[Any], None]] = None) -> None:
+        """Hand ``handle`` to the waiter thread: ``then(result)`` when it completes (the next phase of a
+        two-level piece), else ``done(None)``; ``done(error)`` if it fails."""
         with self._cv:
             if self._closing:
                 raise CommschedError("this Horovod backend is closed; create a new DistributedOptimizer")
-            self._handles.append((handle, done, name))
+            self._handles.append((handle, done, name, then))
             self._cv.notify()
+
+    def _start_two_level(self, view: torch.Tensor, done: Callable[[Optional[BaseException]], None],
+                         name: str) -> None:
+        """Phase 1 of the two-level sum (see :meth:`use_hierarchical`); the waiter thread starts the
+        next phases as each completes. A piece whose length is not a multiple of the ranks per node
+        is padded with zeros, so every shard has the same length."""
+        two, hvd = self._two_level, self._hvd
+        two.pieces += 1
+        flat = view.reshape(-1)
+        n, r = flat.numel(), two.ranks_per_node
+        padded = flat
+        if n % r:
+            padded = torch.zeros(r * -(-n // r), dtype=flat.dtype)
+            padded[:n].copy_(flat)
+        # Sums all the way (Horovod's Average divides by each set's size); the average's scaling is
+        # applied once, at the end, as allreduce_async_'s prescale/postscale would.
+        pre = self._prescale
+        post = self._postscale / self.world_size if self._op == hvd.Average else self._postscale
+
+        def gathered(whole: torch.Tensor) -> None:
+            if post != 1.0:
+                whole.mul_(post)
+            view.copy_(whole[:n].view_as(view))
+            done(None)
+
+        def reduced(shard: torch.Tensor) -> None:
+            self._track(hvd.allgather_async(shard, name=name + ".ag", process_set=two.node_set), done, name,
+                        then=gathered)
+
+        def scattered(shard: torch.Tensor) -> None:
+            self._track(hvd.allreduce_async_(shard, name=name + ".ar", op=hvd.Sum, process_set=two.cross_set),
+                        done, name, then=reduced)
+
+        self._track(hvd.reducescatter_async(padded, name=name + ".rs", op=hvd.Sum, process_set=two.node_set,
+                                            prescale_factor=pre), done, name, then=scattered)
 
     def _wait_loop(self) -> None:
         delay = _POLL_MIN_S
@@ -443,11 +559,12 @@ class HorovodBackend:
                     return
                 batch = list(self._handles)
             finished = []
+            results = {}
             for entry in batch:
                 try:
                     if not self._hvd.poll(entry[0]):
                         continue
-                    self._hvd.synchronize(entry[0])  # done: returns at once (or raises Horovod's error)
+                    results[id(entry)] = self._hvd.synchronize(entry[0])  # done: at once (or Horovod's error)
                 except BaseException as exc:  # Horovod reports a dead peer or its shutdown here
                     with self._cv:
                         if self._broken is None:
@@ -456,7 +573,14 @@ class HorovodBackend:
                 else:
                     finished.append((entry, None))
             lost = self._lost_handles(finished)
-            for (_, done, _), error in finished + lost:
+            for entry, error in finished + lost:
+                done, then = entry[1], entry[3]
+                if error is None and then is not None:
+                    try:  # the next phase of a two-level piece
+                        then(results.pop(id(entry)))
+                    except BaseException as exc:  # noqa: BLE001 - the piece fails, the thread goes on
+                        done(exc)
+                    continue
                 done(error)
             if finished or lost:
                 delay = _POLL_MIN_S

@@ -59,3 +59,44 @@ def test_horovod_example_runs_under_horovodrun():
     proc = horovodrun(str(REPO / "examples" / "horovod_train.py"), "--steps", "5", "--width", "64")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "horovod x2: final loss" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_a_plan_of_two_level_pieces_runs_on_horovod_process_sets_allclose_to_horovods_optimizer(tmp_path):
+    # 2 nodes x 2 ranks: every piece is reduce-scattered in its node, all-reduced across nodes and
+    # all-gathered in its node, on Horovod process sets; odd piece lengths are padded
+    horovod_or_skip("torch")
+    command = horovodrun_command(4, str(HERE / "hvd_worker.py"), "--out", str(tmp_path), "--two-level", "2",
+                                 "--steps", "6")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(4):
+        for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
+            assert "error" not in r, r["error"]
+            assert r["allclose"], f"rank {rank} {r['optimizer']}: max diff {r['max_diff']}"
+            node, local = divmod(rank, 2)
+            *sets, pieces = r["two_level"]
+            assert sets == [2, 2, [2 * node, 2 * node + 1], [local, 2 + local]]
+            assert pieces == r["pieces"] > 0  # every piece went the two-level way
+            assert r["threads"] == []
+
+
+def test_without_dynamic_process_sets_the_two_level_algorithm_names_the_fix():
+    from commsched.errors import CommschedError
+    from commsched.plugins.torch.backends import HorovodBackend
+
+    class NoDynamicSets:
+        ProcessSet = object
+
+        @staticmethod
+        def add_process_set(ranks):
+            raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after Horovod "
+                             "initialization.")
+
+    backend = HorovodBackend.__new__(HorovodBackend)
+    backend._hvd, backend.world_size, backend.rank, backend._two_level = NoDynamicSets(), 4, 0, None
+    with pytest.raises(CommschedError, match=r"ranks \[0, 1\].*HOROVOD_DYNAMIC_PROCESS_SETS=1.*process_sets="):
+        backend.use_hierarchical(2, 2)
+    with pytest.raises(ValueError, match="needs 6 Horovod ranks, but there are 4"):
+        backend.use_hierarchical(3, 2)
