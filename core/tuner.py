@@ -30,7 +30,9 @@ already); then a sampler proposes (Optuna's TPE: ask/tell over the
 discrete :class:`SearchSpace`). A sample replaces the incumbent only if its median beats
 the incumbent's by more than both spreads; such a winner is *confirmed* by a second sample
 of the same setting before it is kept (the incumbent is thus always measured at least
-twice: horovod#2207 shows single autotune scores varying by 8 %).
+twice: horovod#2207 shows single autotune scores varying by 8 %); an incumbent measured once
+only (a start point) is measured again before such a winner replaces it, and the winner must
+beat its two samples pooled (one unlucky sample cannot lose it either).
 
 It stops when the *predicted gain* is below ``min_gain`` (2 %): the best improvement over the
 incumbent among the last ``patience`` samples, an empirical estimate of what another sample
@@ -332,6 +334,7 @@ class _Sample:
     settings: Settings
     start_step: int
     confirm: bool = False
+    recheck: bool = False  # the incumbent measured again before a confirmed winner replaces it
     periods: list[float] = field(default_factory=list)
 
 
@@ -370,6 +373,8 @@ class Tuner:
         self.rounds = 1
         self._confirm_against = (float("inf"), 0.0)
         self._confirm_periods: list[float] = []
+        self._incumbent_periods: list[float] = []  # every scored period of the incumbent
+        self._recheck: Optional[tuple[Settings, list[float]]] = None  # a confirmed winner, waiting
         self.history: list[dict[str, Any]] = []
         self._current: Optional[_Sample] = None
         self._pending_starts = list(starts)
@@ -403,18 +408,36 @@ class Tuner:
         score, noise = statistics.median(cur.periods), spread(cur.periods)
         self.samples += 1
         record = {"step": step, "settings": cur.settings.to_dict(), "median_s": score, "spread_s": noise,
-                  "periods_s": list(cur.periods), "confirm": cur.confirm}
+                  "periods_s": list(cur.periods), "confirm": cur.confirm, "recheck": cur.recheck}
         previous = self.incumbent_score
-        if cur.confirm:
+        if cur.recheck:
+            # the incumbent measured a second time: the winner replaces it only if it still wins
+            # against both of the incumbent's samples (one unlucky sample cannot lose it)
+            winner, won = self._recheck
+            self._recheck = None
+            pooled = self._incumbent_periods + cur.periods
+            inc_score, inc_spread = statistics.median(pooled), spread(pooled)
+            win_score, win_spread = statistics.median(won), spread(won)
+            if win_score < inc_score - max(win_spread, inc_spread):
+                self._replace_incumbent(winner, won)
+                record["verdict"] = "incumbent re-measured: replaced"
+            else:
+                self.incumbent_score, self.incumbent_spread, self._incumbent_periods = inc_score, inc_spread, pooled
+                record["verdict"] = "incumbent re-measured: kept"
+        elif cur.confirm:
             # the second measurement of a winner: keep it if it still beats the old incumbent
             kept = score < self._confirm_against[0] - max(noise, self._confirm_against[1])
-            if kept:
-                both = cur.periods + self._confirm_periods
-                self.incumbent, self.incumbent_score, self.incumbent_spread = cur.settings, statistics.median(
-                    both), spread(both)
-            record["verdict"] = "confirmed" if kept else "not confirmed"
+            both = cur.periods + self._confirm_periods
+            if kept and len(self._incumbent_periods) < 2 * self.sample_steps and self.samples < self.max_samples:
+                self._recheck = (cur.settings, both)
+                record["verdict"] = "confirmed: re-measuring the incumbent"
+            elif kept:
+                self._replace_incumbent(cur.settings, both)
+                record["verdict"] = "confirmed"
+            else:
+                record["verdict"] = "not confirmed"
         elif self.incumbent is None:
-            self.incumbent, self.incumbent_score, self.incumbent_spread = cur.settings, score, noise
+            self._replace_incumbent(cur.settings, cur.periods)
             record["verdict"] = "first incumbent"
         elif score < self.incumbent_score - max(noise, self.incumbent_spread):
             record["verdict"] = "better: confirm"
@@ -422,12 +445,20 @@ class Tuner:
             if cur.settings == self.incumbent:  # the incumbent measured again: pool its periods
                 self.incumbent_score = min(self.incumbent_score, score)
                 self.incumbent_spread = max(self.incumbent_spread, noise)
+                self._incumbent_periods = self._incumbent_periods + cur.periods
             record["verdict"] = "not better"
-        if not cur.confirm and self.sampler is not None and cur.settings.ordering in self.space.orderings:
+        if not (cur.confirm or cur.recheck) and self.sampler is not None and \
+                cur.settings.ordering in self.space.orderings:
             self.sampler.tell(cur.settings, score)  # a plan is not a point of the sampler's grid
+        if cur.recheck:
+            score = self.incumbent_score  # what the re-measure changed: the incumbent's score
         gain = (previous - score) / previous if previous < float("inf") else 0.0
         self._gains.append(max(0.0, gain))
         self.history.append(record)
+        if record["verdict"] == "confirmed: re-measuring the incumbent":
+            return self._next_sample(step, f"{cur.settings.describe()}: confirmed at {score * 1e3:.2f} ms; the "
+                                           f"incumbent {self.incumbent.describe()} was measured once: measuring it "
+                                           "again before replacing it", recheck=self.incumbent)
         if record["verdict"] == "better: confirm" and self.samples < self.max_samples:
             self._confirm_against = (self.incumbent_score, self.incumbent_spread)
             self._confirm_periods = list(cur.periods)
@@ -456,22 +487,30 @@ class Tuner:
                 "samples": self.samples, "rounds": self.rounds, "history": list(self.history)}
 
     # ----------------------------------------------------------------- internals
-    def _next_sample(self, step: int, why: str, confirm: Settings | None = None) -> Decision:
-        if confirm is not None:
+    def _replace_incumbent(self, settings: Settings, periods: list[float]) -> None:
+        self.incumbent, self._incumbent_periods = settings, list(periods)
+        self.incumbent_score, self.incumbent_spread = statistics.median(periods), spread(periods)
+
+    def _next_sample(self, step: int, why: str, confirm: Settings | None = None,
+                     recheck: Settings | None = None) -> Decision:
+        if recheck is not None:
+            settings = recheck
+        elif confirm is not None:
             settings = confirm
         elif self._pending_starts:
             settings = self._pending_starts.pop(0)
         else:
             settings = self.sampler.ask()
         apply_at = step + 2
-        self._current = _Sample(settings, apply_at, confirm is not None)
+        self._current = _Sample(settings, apply_at, confirm is not None, recheck is not None)
         decision = Decision(settings if settings != self._applied else None,
                             apply_at + self.settle + self.sample_steps - 1, why)
         self._applied = settings
         if self._bar is None:
             self._bar = Progress("tuner", self.max_samples)
         self._bar.update(self.samples, description=f"commsched tuner, round {self.rounds}: sample {self.samples + 1} "
-                                                   f"{settings.describe()}" + (" (again)" if confirm else ""))
+                                                   f"{settings.describe()}" + (" (again)" if confirm or recheck
+                                                                               else ""))
         return self._log(step, decision, f"sample {self.samples + 1}: {settings.describe()}")
 
     def _settle(self, step: int, why: str) -> Decision:
@@ -499,6 +538,7 @@ class Tuner:
         self._starts = [self.incumbent] + [s for s in self._starts if s != self.incumbent]
         self._pending_starts = list(self._starts)
         self.incumbent, self.incumbent_score, self.incumbent_spread = None, float("inf"), 0.0
+        self._incumbent_periods, self._recheck = [], None
         self.sampler = self._make_sampler()
         self.history.append({"step": step, "verdict": "drift", "median_s": now, "moved": moved})
         return self._next_sample(step, f"step time drifted {moved:+.1%} (> {self.drift:.0%}): re-tuning")
