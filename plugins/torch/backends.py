@@ -525,7 +525,7 @@ class HorovodBackend:
         n, r = flat.numel(), two.ranks_per_node
         padded = flat
         if n % r:
-            padded = torch.zeros(r * -(-n // r), dtype=flat.dtype)
+            padded = torch.zeros(r * -(-n // r), dtype=flat.dtype, device=flat.device)
             padded[:n].copy_(flat)
         # Sums all the way (Horovod's Average divides by each set's size); the average's scaling is
         # applied once, at the end, as allreduce_async_'s prescale/postscale would.
