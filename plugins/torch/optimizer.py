@@ -503,6 +503,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._switches: list[dict[str, Any]] = []  # every decision taken, on every rank
         self._tuner: Any = None  # rank 0 of ordering="auto", from the first decision on
         self._auto_plans: dict[str, dict] = {}  # rank 0 of auto: digest -> the plan of each planned start
+        self._auto_notes: list[str] = []  # rank 0 of auto: what the cost model recommended, and why
         self._pending_decision: Optional[int] = None  # step k whose decision applies from k+2
         self._next_decision: Optional[int] = ADAPT_RECORD_STEPS - 1 if self._adaptive else None
         self._last_step_end: Optional[float] = None
@@ -673,7 +674,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                              plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S)
         for note in found.notes:
             tuner_log.info("%s", note)
-        self._auto_plans = found.plans
+        self._auto_plans, self._auto_notes = found.plans, list(found.notes)
         starts = found.starts or [own]
         return Tuner(starts[0], extra_starts=(*starts[1:], own, plain_fifo), **TUNER_OPTIONS)
 
@@ -1238,7 +1239,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                         "tuner": dict(self._tuner.stats() if self._tuner is not None else {},
                                       role="decides" if self.rank == 0 else "follows",
                                       switches=list(self._switches), next_decision=self._next_decision,
-                                      pending_decision=self._pending_decision,
+                                      pending_decision=self._pending_decision, model=list(self._auto_notes),
                                       settings={k: self.config.__dict__[k] for k in (
                                           "ordering", "partition_bytes", "credit_bytes", "fusion_bytes")})}
         return {

@@ -171,7 +171,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         if sc["ordering"] == "auto" and sc["nodes"] > 1:  # the tuner's model sees two nodes behind a slow link
             from commsched.costmodel.topology import Link, Topology
             topology = Topology(nodes=sc["nodes"], ranks_per_node=world // sc["nodes"], intra=Link(50e-6, 2e9),
-                                inter=Link(50e-6, 1e6))  # slow: the gradient dominates
+                                inter=Link(50e-6, 1e4))  # very slow: the gradient dominates
         opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
                                    config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"],
                                    topology=topology)

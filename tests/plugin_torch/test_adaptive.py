@@ -151,6 +151,8 @@ def test_auto_measures_the_planners_plan_first_when_the_model_predicts_it_ahead(
     assert first["plan"] is True and first["settings"]["ordering"] == "planned" and first["settings"]["plan"]
     assert during["ordering"] == "planned" and during["plan"]["pieces"] > 0
     assert stats["tuner"]["history"][0]["settings"]["ordering"] == "planned"
+    notes = stats["tuner"]["model"]  # what the cost model recommended, and why
+    assert notes[0].startswith("cost model recommends") and "measured first" in notes[-1], notes
     assert stats["tuner"]["phase"] == "settled" and stats["requested_ordering"] == "auto"
     # it moved on to the runtime settings afterwards, on the same engine (the plan's process groups kept)
     assert any(s["settings"] and s["settings"]["ordering"] != "planned" for s in stats["tuner"]["switches"][1:])

@@ -155,7 +155,9 @@ def test_auto_on_two_nodes_runs_the_planners_two_level_plan_first_and_stays_allc
     switches = [r[0]["stats"]["tuner"]["switches"] for r in results]
     assert all(s == switches[0] for s in switches)  # every rank took the same decisions at the same steps
     first = switches[0][0]  # the model predicts the two-level plan far ahead: it runs first, no margin forced
-    assert first["plan"] is True and first["settings"]["ordering"] == "planned", switches[0]
+    notes = results[0][0]["stats"]["tuner"]["model"]  # rank 0's start points, and why
+    assert first["plan"] is True and first["settings"]["ordering"] == "planned", (notes, switches[0])
+    assert "measured first" in notes[-1], notes
     history = results[0][0]["stats"]["tuner"]["history"]
     assert history[0]["settings"]["ordering"] == "planned" and len(history) >= 2
 
