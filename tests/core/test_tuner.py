@@ -75,6 +75,19 @@ def test_a_better_sample_is_confirmed_by_a_second_measurement_before_it_is_kept(
     assert tuner.stats()["history"][first_better + 1]["confirm"] is True
 
 
+class Always:
+    """A sampler that always proposes ``settings`` (the start points decide the test)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def ask(self) -> Settings:
+        return self.settings
+
+    def tell(self, settings: Settings, score: float) -> None:
+        pass
+
+
 def test_an_incumbent_measured_once_is_measured_again_before_a_confirmed_winner_replaces_it():
     # The best setting's first sample is unlucky (+30 %); a setting 10 % slower than it is then
     # measured twice and "wins". One unlucky sample must not lose the best setting: the incumbent
@@ -88,14 +101,7 @@ def test_an_incumbent_measured_once_is_measured_again_before_a_confirmed_winner_
             return 0.130 if calls["best"] <= 5 else 0.100  # the whole first sample (settle + 4) is slow
         return 0.110
 
-    class Fixed:
-        def ask(self):
-            return other
-
-        def tell(self, settings, score):
-            pass
-
-    tuner = Tuner(best, extra_starts=(other,), sampler=Fixed(), max_samples=8)
+    tuner = Tuner(best, extra_starts=(other,), sampler=Always(other), max_samples=8)
     out = drive(tuner, objective, 200, noise=0.002)
     verdicts = [h.get("verdict") for h in tuner.history]
     assert verdicts[:4] == ["first incumbent", "better: confirm", "confirmed: re-measuring the incumbent",
@@ -107,14 +113,7 @@ def test_an_incumbent_measured_once_is_measured_again_before_a_confirmed_winner_
 def test_a_winner_still_replaces_an_incumbent_whose_second_sample_is_as_slow():
     slow, fast = DEFAULT, FIFO_PLAIN
 
-    class Fixed:
-        def ask(self):
-            return fast
-
-        def tell(self, settings, score):
-            pass
-
-    tuner = Tuner(slow, extra_starts=(fast,), sampler=Fixed(), max_samples=8)
+    tuner = Tuner(slow, extra_starts=(fast,), sampler=Always(fast), max_samples=8)
     out = drive(tuner, lambda s: 0.080 if s == fast else 0.120, 200, noise=0.002)
     verdicts = [h.get("verdict") for h in tuner.history]
     assert verdicts[:4] == ["first incumbent", "better: confirm", "confirmed: re-measuring the incumbent",
