@@ -80,7 +80,7 @@ class Settings:
     fusion_bytes: int
     #: ``ordering="planned"``: the digest of the plan the cost model made for this run (the driver
     #: holds the plan itself and sends it with the decision); its sizes and credit are the plan's
-    #: (``partition_bytes`` its largest piece); "" for the other orderings
+    #: (``partition_bytes`` and ``fusion_bytes`` 0: the plan's own per group); "" for the other orderings
     plan: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,16 +199,16 @@ class ModelStarts:
     notes: list[str]  # one line per recommendation (or why there is none), for the log
 
 
-def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan: bool = True, plan_min_gain: float = 0.05,
+def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gain: float | None = None,
                  plan_time_limit_s: float = 10.0) -> ModelStarts:
     """The cost model's start points for the tuner, best predicted first: the advised runtime
     setting (``commsched.costmodel.cli.advise``: ``fifo``, or ``dynamic`` with its best piece size
-    x credit) and, with ``plan``, the planner's plan (:func:`commsched.costmodel.planner.make_plan`)
-    where it is predicted more than ``plan_min_gain`` ahead of that setting, the model's measured
-    error (what only a plan chooses: the two-level algorithm per piece, per-tensor sizes, fused
-    groups; on one flat link EDD is already optimal and the plan rarely passes). A part that fails
-    (no planner installed, a profile the model cannot read) is left out with a note: the model is
-    a head start, never a requirement."""
+    x credit) and the planner's plan (:func:`commsched.costmodel.planner.make_plan`) where it is
+    predicted more than ``plan_min_gain`` ahead of that setting (default the planner's own margin,
+    ``PlanSearch.min_gain``: the model's measured error). What only a plan chooses: the two-level
+    algorithm per piece, per-tensor sizes, fused groups; on one flat link EDD is already optimal
+    and the plan rarely passes. A part that fails (no planner installed, a profile the model
+    cannot read) is left out with a note: the model is a head start, never a requirement."""
     starts: list[Settings] = []
     plans: dict[str, dict] = {}
     notes: list[str] = []
@@ -225,10 +225,8 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan: bool =
         notes.append(f"cost model recommends {advised.describe()} (predicted {advised_s * 1e3:.2f} ms)")
     except Exception as exc:  # noqa: BLE001 - see the docstring
         notes.append(f"no cost-model recommendation ({exc!r})")
-    if not plan:
-        return ModelStarts(starts, plans, notes)
     try:
-        from commsched.costmodel.planner import make_plan
+        from commsched.costmodel.planner import PlanSearch, make_plan
 
         result = make_plan(profile, topology, time_limit_s=plan_time_limit_s)
     except Exception as exc:  # noqa: BLE001 - see the docstring
@@ -236,6 +234,8 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan: bool =
         return ModelStarts(starts, plans, notes)
     against = advised_s if advised_s is not None else float(result.plan.predicted.get("dynamic_step_s", math.inf))
     gain = 1 - result.step_time_s / against if against > 0 else 0.0
+    if plan_min_gain is None:
+        plan_min_gain = PlanSearch.min_gain
     if gain > plan_min_gain:
         digest = result.plan.digest
         plans[digest] = result.plan.to_dict()

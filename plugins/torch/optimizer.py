@@ -250,8 +250,9 @@ DEFAULT_BANDWIDTH = "10gbit"
 TUNER_OPTIONS: dict[str, Any] = dict(sample_steps=4, settle=1, max_samples=20, min_gain=0.02, drift=0.05,
                                      check_every=50)
 #: ``"auto"`` measures the planner's plan first where the model predicts it this much ahead of the
-#: advised runtime setting (the planner's own margin: the model's measured error); else not at all.
-AUTO_PLAN_MIN_GAIN = 0.05
+#: advised runtime setting, else not at all; None: the planner's own margin (``PlanSearch.min_gain``,
+#: the model's measured error).
+AUTO_PLAN_MIN_GAIN: float | None = None
 
 tuner_log = logging.getLogger("commsched.tuner")
 

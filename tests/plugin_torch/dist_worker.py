@@ -163,7 +163,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         from commsched.plugins.torch import optimizer as optimizer_module
         optimizer_module.TUNER_OPTIONS.update(sample_steps=2, settle=1, max_samples=6, check_every=4)
         # auto_plan: the planner's plan is a start whatever its predicted gain (measured first)
-        optimizer_module.AUTO_PLAN_MIN_GAIN = -1.0 if sc["auto_plan"] else 0.05
+        optimizer_module.AUTO_PLAN_MIN_GAIN = -1.0 if sc["auto_plan"] else None
     started = time.monotonic()
     opt = None
     try:
