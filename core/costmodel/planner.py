@@ -96,9 +96,12 @@ class PlanSearch:
     #: candidates within this share of the best step are ties: the one with the fewest pieces per
     #: step wins (then the deeper credit), and a later stage must gain more than it. Each
     #: collective costs more at runtime than the model's CPU per piece (measured 0.35-0.76 ms of
-    #: the scheduler's threads per piece against the 10-14 us micro-benchmark), so where the
-    #: model cannot tell two plans apart, fewer collectives is the safer choice.
-    tie_tolerance: float = 0.005
+    #: the scheduler's threads per piece against the 10-14 us micro-benchmark, 0.64-1.31 ms with
+    #: 4 workers on 2 cores), so where the model cannot tell two plans apart, fewer collectives is
+    #: the safer choice. 2 %, not less: on balanced 2 x 2 at 500 Mbit/s the model put 256 KiB
+    #: two-level pieces (284 a step) 0.8 % ahead of 1 MiB ones (77); measured, the 284 pieces
+    #: cost 219 ms of scheduler CPU a step against 101 ms and ran 2.52 s against 2.32 s.
+    tie_tolerance: float = 0.02
     #: the plan departs from the runtime's default (1 MiB pieces, 4 MiB credit, no fusion, flat
     #: ring, EDD order; when the grid holds it) only if the simulator puts it ahead by more than
     #: this share. A smaller predicted gain is inside the model's error (mean 3.9 % on this
