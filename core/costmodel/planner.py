@@ -93,6 +93,15 @@ class PlanSearch:
     #: simulator does not model; a plan of 4 MiB pieces under a 1 MiB credit ran 6 % slower than
     #: `static` on flat comm-heavy although the model put it 5 % ahead.
     min_in_flight: int = 2
+    #: where compute and communication share the CPUs (the profile measured ``contention`` or
+    #: ``comm_contention`` > 1), the credit must also hold this many seconds of the flat ring's
+    #: all-reduce: the scheduler's threads wake late under load (decision -> issue measured
+    #: 10-16 ms at the median, 37-45 ms at p95 on compute-heavy, 2 workers at 1 Gbit/s), and a
+    #: credit the link drains faster idles it. Measured: compute-heavy's plan of 256 KiB pieces
+    #: under a 1 MiB credit (8 ms of the link), 5 % ahead of `dynamic` in the model, ran 0.90x
+    #: `dynamic` (paired, 3 rounds), as a 51-piece plan of the same kind ran 0.82x `static`
+    #: before. 0 turns it off; a profile with no contention (the zoo's GPUs) is not held to it.
+    min_credit_s: float = 0.025
     #: candidates within this share of the best step are ties: the one with the fewest pieces per
     #: step wins (then the deeper credit), and a later stage must gain more than it. Each
     #: collective costs more at runtime than the model's CPU per piece (measured 0.35-0.76 ms of
@@ -141,6 +150,8 @@ class PlanSearch:
             raise ValueError(f"PlanSearch.min_gain={self.min_gain!r} must be in [0, 0.5)")
         if isinstance(self.min_in_flight, bool) or not isinstance(self.min_in_flight, int) or self.min_in_flight < 1:
             raise ValueError(f"PlanSearch.min_in_flight={self.min_in_flight!r} must be an integer >= 1")
+        if not (math.isfinite(self.min_credit_s) and self.min_credit_s >= 0):
+            raise ValueError(f"PlanSearch.min_credit_s={self.min_credit_s!r} must be >= 0 seconds (0: off)")
 
 
 @dataclass
@@ -230,10 +241,21 @@ def _all_pieces(profile: Profile, groups: list[PlanGroup]) -> list[tuple[str, in
     return out
 
 
-def _deep_enough(profile: Profile, groups: list[PlanGroup], credit: int, pieces_in_flight: int) -> bool:
-    """Whether ``credit`` holds ``pieces_in_flight`` of the largest piece (or every byte of a step)."""
+def _deep_enough(profile: Profile, groups: list[PlanGroup], credit: int, pieces_in_flight: int,
+                 topology: Topology | None = None, min_credit_s: float = 0.0) -> bool:
+    """Whether ``credit`` holds ``pieces_in_flight`` of the largest piece (or every byte of a step)
+    and, where the profile measured CPU contention, ``min_credit_s`` of the flat ring's all-reduce
+    on ``topology`` (or every byte of a step)."""
     sizes = [b for _, _, b in _all_pieces(profile, groups)]
-    return not sizes or credit >= min(pieces_in_flight * max(sizes), sum(sizes))
+    if not sizes:
+        return True
+    total = sum(sizes)
+    if credit < min(pieces_in_flight * max(sizes), total):
+        return False
+    shared_cpus = profile.contention > 1.0 or profile.comm_contention > 1.0
+    if topology is None or min_credit_s <= 0 or not shared_cpus or credit >= total:
+        return True
+    return allreduce_s(topology, credit, "ring") >= min_credit_s
 
 
 def greedy_plan(profile: Profile, topology: Topology, groups: list[PlanGroup], credit: int, rule: str = "best",
@@ -452,7 +474,8 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
     for fusion in search.fusions:
         for partition in search.partitions:
             groups = make_groups(profile, fusion, partition)
-            credits = [c for c in search.credits if _deep_enough(profile, groups, c, search.min_in_flight)]
+            credits = [c for c in search.credits if _deep_enough(profile, groups, c, search.min_in_flight,
+                                                                     topology, search.min_credit_s)]
             for rule in rules:
                 for credit in credits or [max(search.credits)]:
                     plan, result = greedy_plan(profile, topology, groups, credit, rule, steps)
@@ -497,7 +520,8 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
                     continue
                 trial = dict(partition_of, **{g.name: size})
                 groups = [PlanGroup(x.name, x.tensors, trial[x.name]) for x in best_plan.groups]
-                if not _deep_enough(profile, groups, best_plan.credit_bytes, search.min_in_flight):
+                if not _deep_enough(profile, groups, best_plan.credit_bytes, search.min_in_flight,
+                                    topology, search.min_credit_s):
                     continue
                 plan, result = greedy_plan(profile, topology, groups, best_plan.credit_bytes,
                                            best_knobs["algorithm"], steps)
@@ -525,7 +549,8 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
         order, algorithms, report = solve_order(profile, topology, groups, warm, budget, search.milp_units)
         solves.append(report)
         for credit in sorted(set(search.credits) | {warm.credit_bytes}):
-            if credit != warm.credit_bytes and not _deep_enough(profile, groups, credit, search.min_in_flight):
+            if credit != warm.credit_bytes and not _deep_enough(profile, groups, credit, search.min_in_flight,
+                                                                topology, search.min_credit_s):
                 continue
             plan = _plan(profile, topology, groups, order, algorithms, credit)
             result = simulate(profile, topology, "planned", settings, plan=plan)
