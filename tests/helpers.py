@@ -87,7 +87,10 @@ def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, s
     try:
         for argv, env, log in zip(commands, envs, logs, strict=True):
             with open(log, "wb") as out:
-                procs.append(subprocess.Popen(list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                # PYTHONFAULTHANDLER: a hung worker prints every thread's stack into its log when
+                # _dump_stacks aborts it, so the test's failure says where it hung
+                procs.append(subprocess.Popen(list(argv), env={"PYTHONFAULTHANDLER": "1", **env}, stdout=out,
+                                              stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True))
         deadline = time.monotonic() + timeout
         for rank, proc in enumerate(procs):
@@ -107,6 +110,7 @@ def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, s
                                        "returned (exit hangs); logs:\n" + _tails(logs))
                 if time.monotonic() > deadline:
                     running = [r for r, p in enumerate(procs) if p.poll() is None]
+                    _dump_stacks([procs[r] for r in running])
                     raise TimeoutError(f"workers {running} still running after {timeout:.0f} s (a hang); logs:\n"
                                        + _tails(logs))
         return [Finished(p.args, p.returncode, Path(log).read_text(errors="replace"), exit_s[rank])
@@ -180,6 +184,17 @@ def horovod_or_skip(framework: str) -> None:
 def horovodrun(np: int, *argv: str) -> list[str]:
     """The command that runs ``python argv...`` on ``np`` local Horovod ranks over gloo."""
     return [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, *argv]
+
+
+def _dump_stacks(procs: Sequence[subprocess.Popen], wait_s: float = 5.0) -> None:
+    """SIGABRT to each still-running worker (only the process started, not its session): a
+    Python one with the fault handler on writes every thread's stack to its log, then dies."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGABRT)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
 
 
 def _tails(logs: Sequence[Path], chars: int = 3000) -> str:

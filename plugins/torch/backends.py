@@ -149,15 +149,19 @@ class TorchBackend:
                 "torch.distributed.init_process_group('gloo' or 'nccl') before creating DistributedOptimizer"
             )
         self._owns_group = group is None
+        self.timeout_s = float(timeout_s)
         if group is None:
             # A group of our own: collectives the user issues on the default group
             # while pieces are still in flight (cross-iteration) cannot interleave
             # with ours in a different order on different ranks.
-            group = dist.new_group(backend=dist.get_backend())
+            # On gloo its waits end with ours: a peer that died mid-collective cannot hold a gloo
+            # thread, nor the group's teardown, for the default group's timeout (30 min unless the
+            # user set one). NCCL keeps the user's: its watchdog would abort the process instead.
+            options = {"timeout": datetime.timedelta(seconds=self.timeout_s)} if dist.get_backend() == "gloo" else {}
+            group = dist.new_group(backend=dist.get_backend(), **options)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.timeout_s = float(timeout_s)
         #: the stream/event operations (a :class:`FakeCuda` one in tests); real ones are made lazily
         self.device_streams = device_streams
         self._inflight: collections.deque = collections.deque()  # (completion event, done, error box)
