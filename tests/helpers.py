@@ -106,6 +106,7 @@ def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, s
                         exit_s[rank] = time.time() - returned
                     break
                 if returned is not None and time.time() - returned > exit_within:
+                    _dump_stacks([proc])
                     raise TimeoutError(f"worker {rank} still running {exit_within:.0f} s after its main code "
                                        "returned (exit hangs); logs:\n" + _tails(logs))
                 if time.monotonic() > deadline:
@@ -188,7 +189,8 @@ def horovodrun(np: int, *argv: str) -> list[str]:
 
 def _dump_stacks(procs: Sequence[subprocess.Popen], wait_s: float = 5.0) -> None:
     """SIGABRT to each still-running worker (only the process started, not its session): a
-    Python one with the fault handler on writes every thread's stack to its log, then dies."""
+    Python one with the fault handler on writes every thread's stack to its log, then dies. Both
+    hang checks of :func:`run_workers` (past the timeout; not exiting after its markers) call it."""
     for proc in procs:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGABRT)

@@ -241,21 +241,21 @@ def _all_pieces(profile: Profile, groups: list[PlanGroup]) -> list[tuple[str, in
     return out
 
 
-def _deep_enough(profile: Profile, groups: list[PlanGroup], credit: int, pieces_in_flight: int,
-                 topology: Topology | None = None, min_credit_s: float = 0.0) -> bool:
-    """Whether ``credit`` holds ``pieces_in_flight`` of the largest piece (or every byte of a step)
-    and, where the profile measured CPU contention, ``min_credit_s`` of the flat ring's all-reduce
-    on ``topology`` (or every byte of a step)."""
+def _deep_enough(profile: Profile, topology: Topology, groups: list[PlanGroup], credit: int,
+                 search: PlanSearch) -> bool:
+    """Whether ``credit`` holds ``search.min_in_flight`` of the largest piece and, where the profile
+    measured CPU contention, ``search.min_credit_s`` of the flat ring's all-reduce on ``topology``
+    (either way, every byte of a step is always enough)."""
     sizes = [b for _, _, b in _all_pieces(profile, groups)]
     if not sizes:
         return True
     total = sum(sizes)
-    if credit < min(pieces_in_flight * max(sizes), total):
+    if credit < min(search.min_in_flight * max(sizes), total):
         return False
     shared_cpus = profile.contention > 1.0 or profile.comm_contention > 1.0
-    if topology is None or min_credit_s <= 0 or not shared_cpus or credit >= total:
+    if search.min_credit_s <= 0 or not shared_cpus or credit >= total:
         return True
-    return allreduce_s(topology, credit, "ring") >= min_credit_s
+    return allreduce_s(topology, credit, "ring") >= search.min_credit_s
 
 
 def greedy_plan(profile: Profile, topology: Topology, groups: list[PlanGroup], credit: int, rule: str = "best",
@@ -474,8 +474,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
     for fusion in search.fusions:
         for partition in search.partitions:
             groups = make_groups(profile, fusion, partition)
-            credits = [c for c in search.credits if _deep_enough(profile, groups, c, search.min_in_flight,
-                                                                     topology, search.min_credit_s)]
+            credits = [c for c in search.credits if _deep_enough(profile, topology, groups, c, search)]
             for rule in rules:
                 for credit in credits or [max(search.credits)]:
                     plan, result = greedy_plan(profile, topology, groups, credit, rule, steps)
@@ -520,8 +519,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
                     continue
                 trial = dict(partition_of, **{g.name: size})
                 groups = [PlanGroup(x.name, x.tensors, trial[x.name]) for x in best_plan.groups]
-                if not _deep_enough(profile, groups, best_plan.credit_bytes, search.min_in_flight,
-                                    topology, search.min_credit_s):
+                if not _deep_enough(profile, topology, groups, best_plan.credit_bytes, search):
                     continue
                 plan, result = greedy_plan(profile, topology, groups, best_plan.credit_bytes,
                                            best_knobs["algorithm"], steps)
@@ -549,8 +547,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
         order, algorithms, report = solve_order(profile, topology, groups, warm, budget, search.milp_units)
         solves.append(report)
         for credit in sorted(set(search.credits) | {warm.credit_bytes}):
-            if credit != warm.credit_bytes and not _deep_enough(profile, groups, credit, search.min_in_flight,
-                                                                topology, search.min_credit_s):
+            if credit != warm.credit_bytes and not _deep_enough(profile, topology, groups, credit, search):
                 continue
             plan = _plan(profile, topology, groups, order, algorithms, credit)
             result = simulate(profile, topology, "planned", settings, plan=plan)
