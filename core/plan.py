@@ -11,6 +11,13 @@ A :class:`Plan` says, for one model on one topology:
   algorithm (``"ring"``, or ``"hierarchical"``: intra-node reduce-scatter, inter-node
   all-reduce of the shard, intra-node all-gather);
 * **credit** — the most bytes in flight, as for the other orderings;
+* **order** — ``"fixed"``: every rank issues the pieces in exactly the listed order;
+  ``"priority"``: the pieces are the plan's (groups, sizes, algorithms) but the order is
+  the runtime's priority order (rank 0 decides as ``dynamic`` does), the listed order
+  being what the simulator predicts it to be. The planner writes ``"priority"`` where
+  its search found no gain over the runtime default: a fixed replay of a predicted order
+  holds every piece behind one that is ready later than the profile said, the priority
+  order does not (docs/planner.md, "What the order costs");
 * **model** — the fingerprint: each parameter's name, element count, element size,
   and (when the profile recorded them) shape and dtype, so a plan made for another
   model is refused before any step, naming the difference;
@@ -32,12 +39,14 @@ from typing import Any, Iterable
 from commsched.errors import CommschedError
 from commsched.partition import piece_bounds
 
-__all__ = ["ALGORITHMS", "SCHEMA", "Plan", "PlanGroup", "PlanMismatch", "PlannedPiece", "PlannedTensor",
+__all__ = ["ALGORITHMS", "ORDERS", "SCHEMA", "Plan", "PlanGroup", "PlanMismatch", "PlannedPiece", "PlannedTensor",
            "fused_name"]
 
 SCHEMA = "commsched-plan/1"
 #: All-reduce algorithms a planned piece may name (see :mod:`commsched.costmodel.collectives`).
 ALGORITHMS = ("ring", "hierarchical")
+#: How the ranks order a plan's pieces: ``fixed`` (the listed order) or ``priority`` (the runtime's).
+ORDERS = ("fixed", "priority")
 
 
 class PlanMismatch(CommschedError, ValueError):
@@ -102,6 +111,7 @@ class Plan:
     credit_bytes: int
     nodes: int = 1
     ranks_per_node: int = 1
+    order: str = "fixed"
     topology: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     predicted: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
@@ -123,11 +133,14 @@ class Plan:
 
     @property
     def digest(self) -> str:
-        """sha256 of what every rank must agree on: fingerprint, world, groups, pieces, credit."""
-        body = {"fingerprint": self.fingerprint, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
-                "credit_bytes": self.credit_bytes,
-                "groups": [[g.name, list(g.tensors), g.partition_bytes] for g in self.groups],
-                "pieces": [[p.task, p.index, p.algorithm] for p in self.pieces]}
+        """sha256 of what every rank must agree on: fingerprint, world, groups, pieces, credit, order."""
+        body: dict[str, Any] = {
+            "fingerprint": self.fingerprint, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+            "credit_bytes": self.credit_bytes,
+            "groups": [[g.name, list(g.tensors), g.partition_bytes] for g in self.groups],
+            "pieces": [[p.task, p.index, p.algorithm] for p in self.pieces]}
+        if self.order != "fixed":  # plans written before the field keep their digest
+            body["order"] = self.order
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     @property
@@ -171,6 +184,8 @@ class Plan:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"plan {key}={value!r} must be a positive integer")
+        if self.order not in ORDERS:
+            raise ValueError(f"plan order={self.order!r}; known: {', '.join(ORDERS)}")
         tensors: dict[str, PlannedTensor] = {}
         for t in self.model:
             if t.name in tensors:
@@ -276,6 +291,7 @@ class Plan:
                                       "shape": None if t.shape is None else list(t.shape), "dtype": t.dtype}
                                      for t in self.model]},
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "credit_bytes": self.credit_bytes,
+            "order": self.order,
             "groups": [{"name": g.name, "tensors": list(g.tensors), "partition_bytes": g.partition_bytes}
                        for g in self.groups],
             "pieces": [{"task": p.task, "index": p.index, "algorithm": p.algorithm,
@@ -303,7 +319,8 @@ class Plan:
                 pieces=tuple(PlannedPiece(p["task"], int(p["index"]), p.get("algorithm", "ring"))
                              for p in data["pieces"]),
                 credit_bytes=int(data["credit_bytes"]), nodes=int(data.get("nodes", 1)),
-                ranks_per_node=int(data.get("ranks_per_node", 1)), topology=dict(data.get("topology", {})),
+                ranks_per_node=int(data.get("ranks_per_node", 1)), order=str(data.get("order", "fixed")),
+                topology=dict(data.get("topology", {})),
                 predicted=dict(data.get("predicted", {})), meta=dict(data.get("meta", {})))
         except (KeyError, TypeError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the plan is missing or mistypes a field ({exc!r}); see commsched.plan") from None

@@ -604,6 +604,67 @@ class PlannedImmediate(ImmediatePolicy):
         return self._plan.algorithm_of(piece_name)
 
 
+class PlanCutPriority(DispatchPolicy):
+    """``ordering="planned"`` with a plan whose ``order`` is ``"priority"``: the plan's pieces
+    (groups, fusion, piece sizes, algorithm per piece, credit), issued in the runtime's order.
+
+    The cut, the checks and the algorithms are :class:`PlannedPolicy`'s (a task outside the
+    plan, of another size, or missing from a step is refused the same way); which piece goes
+    next is ``inner``'s: on engines that do not negotiate order, rank 0 decides by priority and
+    publishes (:class:`LeaderPolicy`) and the others follow (:class:`FollowerPolicy`), as in
+    ``dynamic``; with one rank, or in a replay, :class:`PriorityPolicy`. So a plan that only
+    fixes settings runs exactly as ``dynamic`` does with those settings, and a gradient ready
+    later than the profile said holds back nothing behind it (docs/planner.md, "What the order
+    costs").
+    """
+
+    def __init__(self, plan: CommPlan, inner: DispatchPolicy) -> None:
+        super().__init__(inner.credit_bytes)
+        self.plan = plan
+        self.inner = inner
+        self._cut = PlannedPolicy(plan)
+        self.mode = inner.mode
+        self.publishes = inner.publishes
+        self.reads_decisions = inner.reads_decisions
+        self.in_reservation_order = inner.in_reservation_order
+
+    def bounds_for(self, task_name: str, numel: int, element_size: int) -> list[tuple[int, int]]:
+        return self._cut.bounds_for(task_name, numel, element_size)
+
+    def admit(self, step: int, task_name: str, n_pieces: int) -> None:
+        self._cut.admit(step, task_name, n_pieces)
+        self.inner.admit(step, task_name, n_pieces)
+
+    def step_ended(self, step: int, names: set[str]) -> None:
+        self._cut.step_ended(step, names)
+        self.inner.step_ended(step, names)
+
+    def algorithm_of(self, piece_name: str) -> str:
+        return self._cut.algorithm_of(piece_name)
+
+    def add(self, piece: Any) -> None:
+        self.inner.add(piece)
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        return self.inner.next(unstarted, step, in_flight)
+
+    def issued(self, piece: Any) -> list[Message]:
+        return self.inner.issued(piece)
+
+    def steps_over(self, unstarted: Unstarted, step: int) -> list[Message]:
+        return self.inner.steps_over(unstarted, step)
+
+    def receive(self, messages: list[Message]) -> None:
+        self.inner.receive(messages)
+
+    @property
+    def done_reading(self) -> bool:
+        return self.inner.done_reading
+
+    def queued_keys(self) -> list[tuple]:
+        return getattr(self.inner, "queued_keys", list)()
+
+
 def agrees_on_order(config: SchedulerConfig, world_size: int, negotiates_order: bool) -> bool:
     """Whether this ordering needs rank 0's decisions carried to the others through a store."""
     return world_size > 1 and not negotiates_order and config.ordering in ("dynamic", "static")
@@ -612,10 +673,13 @@ def agrees_on_order(config: SchedulerConfig, world_size: int, negotiates_order: 
 def replay_policy(ordering: str, credit_bytes: int, plan: CommPlan | None = None) -> DispatchPolicy:
     """The rule of the deciding rank alone, for an offline replay or a simulator: ready order
     for ``fifo``, priority order for ``dynamic``/``static`` (``static`` replays like ``dynamic``),
-    ``plan``'s order for ``planned`` (:class:`PlannedPolicy`; ``credit_bytes`` None: the plan's)."""
+    ``plan``'s order for ``planned`` (:class:`PlannedPolicy`; ``credit_bytes`` None: the plan's;
+    a plan whose ``order`` is ``"priority"``: its pieces in priority order, :class:`PlanCutPriority`)."""
     if ordering == "planned":
         if plan is None:
             raise ValueError("replay_policy('planned', ...) needs plan=<a commsched.plan.Plan>")
+        if plan.order == "priority":
+            return PlanCutPriority(plan, PriorityPolicy(plan.credit_bytes if credit_bytes is None else credit_bytes))
         return PlannedPolicy(plan, credit_bytes)
     return FifoPolicy(credit_bytes) if ordering == "fifo" else PriorityPolicy(credit_bytes)
 
@@ -643,6 +707,11 @@ def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_
         plan = load_plan(config)
         if negotiates_order and world_size > 1 and rank != 0:
             return PlannedImmediate(plan)
+        if plan.order == "priority":  # the plan's pieces in dynamic's order: rank 0 decides, the others follow
+            credit = plan.credit_bytes
+            if world_size <= 1 or negotiates_order:
+                return PlanCutPriority(plan, PriorityPolicy(credit))
+            return PlanCutPriority(plan, LeaderPolicy(credit) if rank == 0 else FollowerPolicy(credit, rank))
         return PlannedPolicy(plan)
     if world_size <= 1:
         return PriorityPolicy(credit)

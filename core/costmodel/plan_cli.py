@@ -47,6 +47,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credits-mb", default=None, help="credits to search, MB (default 1,4,16,64)")
     p.add_argument("--fusions-mb", default=None, help="fusion thresholds to search, MB; 0 = none "
                                                       "(default 0,0.25,1,4)")
+    p.add_argument("--kept-default-order", choices=("priority", "fixed"), default="priority",
+                   help="where the plan is the runtime default's settings (no gain past --min-gain): issue its "
+                        "pieces in the runtime's priority order (default; what dynamic runs) or replay the "
+                        "simulated order (fixed)")
     p.add_argument("--min-gain", type=float, default=0.05,
                    help="keep the runtime default (1 MiB pieces, 4 MiB credit, no fusion, ring) unless the best plan "
                         "is predicted this share faster (default 0.05, the model's error; 0 = take any gain)")
@@ -60,8 +64,8 @@ def plan_markdown(result: PlanResult, profile: Profile, topology: Topology, comp
     lines = [f"# plan for {profile.source} on {topology.describe()}", "",
              f"{len(plan.pieces)} pieces in {len(plan.groups)} groups ({len(fused)} fused, "
              f"{sum(len(g.tensors) for g in fused)} tensors in them), credit {plan.credit_bytes / MB:g} MiB, "
-             f"algorithms {', '.join(algorithms)}; digest {plan.digest[:12]}; searched {result.candidates} "
-             f"candidates in {result.seconds:.1f} s", "",
+             f"algorithms {', '.join(algorithms)}, order {plan.order}; digest {plan.digest[:12]}; "
+             f"searched {result.candidates} candidates in {result.seconds:.1f} s", "",
              "| stage | simulated step s | gain s | what |", "|---|---:|---:|---|"]
     for stage in result.stages:
         gain = stage.get("gain_s")
@@ -92,7 +96,8 @@ def run_plan(args: argparse.Namespace) -> int:
         overrides = {k: v for k, v in (("partitions", _sizes(args.partitions_mb, "--partitions-mb")),
                                        ("credits", _sizes(args.credits_mb, "--credits-mb")),
                                        ("fusions", _sizes(args.fusions_mb, "--fusions-mb"))) if v is not None}
-        search = PlanSearch.for_profile(profile, time_limit_s=args.time_limit, min_gain=args.min_gain, **overrides)
+        search = PlanSearch.for_profile(profile, time_limit_s=args.time_limit, min_gain=args.min_gain,
+                                         kept_default_order=args.kept_default_order, **overrides)
         compare = [s.strip() for s in args.compare.split(",") if s.strip()]
     except (ValueError, TypeError) as exc:
         print(f"commsched plan: {exc}", file=sys.stderr)

@@ -64,7 +64,7 @@ from commsched.costmodel.slack import slack_order
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
 from commsched.plan import Plan, PlannedTensor
-from commsched.policy import PriorityPolicy, Unstarted, replay_policy
+from commsched.policy import PlannedPolicy, PriorityPolicy, Unstarted, replay_policy
 from commsched.task import Piece, Task
 
 __all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "parse_sim_strategy", "planned_tensors", "simulate",
@@ -377,14 +377,17 @@ def _ddp_buckets(profile: Profile, first: int, cap: int) -> list[list[tuple[int,
 
 def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel,
              settings: SimSettings | None = None, plan: Plan | None = None,
-             plan_order: str = "fixed") -> SimResult:
+             plan_order: str | None = None) -> SimResult:
     """Simulate ``settings.steps`` steps of ``strategy``; the result is per step, steady state.
 
-    ``planned`` needs ``plan`` (its groups must name the profile's tensors). With
-    ``plan_order="priority"`` the plan's groups, piece sizes and algorithms are kept but
+    ``planned`` needs ``plan`` (its groups must name the profile's tensors). ``plan_order``
+    (default: the plan's own ``order``): ``"fixed"`` walks the plan's listed order; with
+    ``"priority"`` the plan's groups, piece sizes and algorithms are kept but
     its order is not: ready pieces go by (step, first tensor of the group in forward
     order, index) within the credit, as ``dynamic`` does; ``issue_order`` then is that
     earliest-due-date order (how the planner makes its greedy plan)."""
+    if plan_order is None:
+        plan_order = plan.order if plan is not None else "fixed"
     if plan_order not in ("fixed", "priority"):
         raise ValueError(f"plan_order={plan_order!r}: use 'fixed' or 'priority'")
     settings = settings or SimSettings()
@@ -430,7 +433,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     # plan one group of the plan (fused tensors go together once the last of them is ready).
     if model.ordering == "planned":
         assert plan is not None
-        policy = (replay_policy("planned", None, plan) if plan_order == "fixed"
+        policy = (PlannedPolicy(plan) if plan_order == "fixed"
                   else PriorityPolicy(plan.credit_bytes))
     else:
         policy = replay_policy(model.ordering, UNLIMITED if model.ordering == "fifo" else settings.credit_bytes)

@@ -72,7 +72,7 @@ def test_the_median_of_rounds_and_a_speedup_paired_within_each_round():
 def _planned(steps, rnd, digest, predicted):
     phase = _phase("planned", steps, rnd)
     plan = {"path": "/gone/plan.json", "digest": digest, "predicted": {"step_time_s": predicted}, "groups": 7,
-            "pieces": 30, "credit_bytes": 2 << 20, "algorithms": ["ring"], "plan_s": 3.0,
+            "pieces": 30, "credit_bytes": 2 << 20, "algorithms": ["ring"], "order": "fixed", "plan_s": 3.0,
             "plan": {"digest": digest, "pieces": []}}
     phase.ranks[0]["stats"] = {"plan_file": plan}
     return phase
@@ -91,7 +91,7 @@ def test_each_planned_round_keeps_the_plan_it_ran():
     assert report["results"][0]["rounds"][0]["plan"] is None
     text = markdown(report)
     assert "- planned round 2: plan bbbbbbbbbbbb, predicted 0.950 s, measured 1.300 s; 7 groups, 30 pieces, " \
-           "credit 2.00 MiB, ring" in text
+           "credit 2.00 MiB, ring, fixed order" in text
 
 
 def test_a_failed_round_is_listed_warned_and_left_out_of_the_figures():

@@ -14,8 +14,8 @@ from commsched.backends.inproc import ArrayOps
 from commsched.errors import CommschedTimeout
 from commsched.plan import Plan, PlanGroup, PlanMismatch, PlannedPiece, PlannedTensor, fused_name
 from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
-from commsched.policy import (ImmediatePolicy, PlannedPolicy, Unstarted, agrees_on_order, make_policy,
-                              replay_policy)
+from commsched.policy import (FollowerPolicy, ImmediatePolicy, LeaderPolicy, PlanCutPriority, PlannedImmediate,
+                              PlannedPolicy, PriorityPolicy, Unstarted, agrees_on_order, make_policy, replay_policy)
 from commsched.scheduler import Scheduler
 from commsched.store import InMemoryStore
 from commsched.task import Piece, Task
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.timeout(30)]
 SMALL = fused_name(["b", "c"])
 
 
-def make_plan(order=None, credit=64, a_piece=16, nodes=1, ranks_per_node=1, algorithm="ring") -> Plan:
+def make_plan(order=None, credit=64, a_piece=16, nodes=1, ranks_per_node=1, algorithm="ring",
+              issue="fixed") -> Plan:
     """a: 12 float32 (cut at ``a_piece`` bytes: 3 pieces of 4 at 16 B), b+c fused (2 + 3 elements, one piece)."""
     model = (PlannedTensor("a", 12, 4, (3, 4), "float32"), PlannedTensor("b", 2, 4, (2,), "float32"),
              PlannedTensor("c", 3, 4, (3,), "float32"))
@@ -33,7 +34,7 @@ def make_plan(order=None, credit=64, a_piece=16, nodes=1, ranks_per_node=1, algo
     order = order or [(SMALL, 0), ("a", 2), ("a", 0), ("a", 1)]
     pieces = tuple(PlannedPiece(t, i, algorithm) for t, i in order)
     return Plan(model=model, groups=groups, pieces=pieces, credit_bytes=credit, nodes=nodes,
-                ranks_per_node=ranks_per_node)
+                ranks_per_node=ranks_per_node, order=issue)
 
 
 def task(name, step=0, priority=0, seq=0):
@@ -149,6 +150,92 @@ def test_make_policy_runs_the_plan_on_every_rank_and_needs_no_channel():
     assert isinstance(replay_policy("planned", None, plan), PlannedPolicy)
     with pytest.raises(ValueError, match="needs a plan"):
         make_policy(SchedulerConfig(ordering="planned"), 0, 2, negotiates_order=False)
+
+
+# ------------------------------------------------------- a plan issued in the runtime's order
+def test_a_priority_order_plan_keeps_its_cut_and_algorithms_but_goes_by_priority():
+    plan = make_plan(credit=1 << 20, algorithm="hierarchical", issue="priority")
+    policy = replay_policy("planned", None, plan)
+    assert isinstance(policy, PlanCutPriority) and policy.credit_bytes == 1 << 20
+    assert policy.bounds_for("a", 12, 4) == [(0, 4), (4, 8), (8, 12)] and policy.algorithm_of("a#1") == "hierarchical"
+    for step in range(2):
+        for p in pieces_of(policy, SMALL, step, priority=1, seq=0) + pieces_of(policy, "a", step, priority=0, seq=1):
+            policy.add(p)
+        # the listed order is SMALL#0, a#2, a#0, a#1; by priority, a (0) goes before SMALL (1), index order
+        assert drain(policy, step) == ["a#0", "a#1", "a#2", f"{SMALL}#0"]
+    with pytest.raises(OrderAgreementError, match=r"tensor 'zzz' is not in the plan"):
+        policy.bounds_for("zzz", 3, 4)
+    with pytest.raises(OrderAgreementError, match=r"step 0 communicated no gradient for \['a'\]"):
+        policy.step_ended(0, {SMALL})
+    with pytest.raises(OrderAgreementError, match=r"'a' was cut into 2 pieces but the plan has 3"):
+        policy.admit(0, "a", 2)
+
+
+def test_make_policy_gives_a_priority_order_plan_dynamics_leader_and_followers():
+    config = SchedulerConfig(ordering="planned", plan=make_plan(credit=48, issue="priority"))
+    leader, follower = (make_policy(config, r, 2, negotiates_order=False) for r in (0, 1))
+    assert isinstance(leader.inner, LeaderPolicy) and leader.publishes and leader.mode == "leader"
+    assert isinstance(follower.inner, FollowerPolicy) and follower.reads_decisions and follower.mode == "follower"
+    assert leader.credit_bytes == follower.credit_bytes == 48  # the plan's credit, not the config's
+    alone = make_policy(config, 0, 1, negotiates_order=False)
+    assert isinstance(alone.inner, PriorityPolicy) and not alone.publishes
+    hvd0, hvd1 = (make_policy(config, r, 2, negotiates_order=True) for r in (0, 1))
+    assert isinstance(hvd0.inner, PriorityPolicy) and not hvd0.publishes  # Horovod matches by name
+    assert isinstance(hvd1, PlannedImmediate)
+    assert make_plan(issue="priority").digest != make_plan().digest  # ranks agree on the order rule too
+
+
+def test_a_plan_without_an_order_field_is_fixed_and_an_unknown_order_is_refused(tmp_path):
+    data = make_plan().to_dict()
+    assert data["order"] == "fixed"
+    del data["order"]  # a plan written before the field: same digest, fixed order
+    assert Plan.from_dict(data).order == "fixed" and Plan.from_dict(data).digest == make_plan().digest
+    path = tmp_path / "p.json"
+    make_plan(issue="priority").to_json(str(path))
+    assert Plan.from_json(str(path)).order == "priority"
+    with pytest.raises(ValueError, match=r"order='random'; known: fixed, priority"):
+        make_plan(issue="random")
+
+
+def test_ranks_of_an_inprocess_world_run_a_priority_order_plan_in_rank_zeros_order():
+    plan = make_plan(credit=24, issue="priority")
+    seen: dict[int, list] = {0: [], 1: []}
+    with InProcessWorld(2) as world:
+        scheds = [Scheduler(world.backend(r), ArrayOps(), SchedulerConfig(ordering="planned", plan=plan, timeout_s=10),
+                            store=world.store, observer=lambda p, q, f, r=r: seen[r].append(p.name))
+                  for r in range(2)]
+        try:
+            out = {}
+
+            def run(r):
+                for step in range(3):
+                    fused = out[(r, step, "f")] = array.array("f", [float(10 * (r + 1))] * 5)
+                    a = out[(r, step, "a")] = array.array("f", [float(r + 1)] * 12)
+                    if r == 1:  # rank 1's gradients get ready in another order: rank 0's order rules
+                        futures = [scheds[r].submit("a", a, priority=0), scheds[r].submit(SMALL, fused, priority=1)]
+                    else:
+                        futures = [scheds[r].submit(SMALL, fused, priority=1), scheds[r].submit("a", a, priority=0)]
+                    scheds[r].mark_step()
+                    for f in futures:
+                        scheds[r].wait(f)
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            for s in scheds:
+                assert s.error is None, s.error
+                stats = s.stats()
+                assert stats["plan_digest"] == plan.digest and stats["credit_bytes"] == 24
+                assert stats["partition_bytes_per_group"] == {g.name: g.partition_bytes for g in plan.groups}
+            assert scheds[0].mode == "leader" and scheds[1].mode == "follower"
+        finally:
+            for s in scheds:
+                s.close()
+    assert seen[0] == seen[1] and len(seen[0]) == 3 * len(plan.pieces)
+    assert sorted(seen[0][:4]) == sorted(plan.piece_names)  # the plan's pieces, whatever the order
+    assert world.mismatches == []
+    assert list(out[(0, 2, "a")]) == [3.0] * 12 and list(out[(1, 0, "f")]) == [30.0] * 5
 
 
 def test_a_plan_file_path_is_loaded(tmp_path):

@@ -183,13 +183,21 @@ def test_a_predicted_gain_inside_the_margin_keeps_the_runtime_default_plan():
     # (the MILP runs under a time limit, so a second search may find a slightly different best:
     # the margin is set well above any gain seen, and the reported gain is checked against it)
     kept = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.45))
-    assert kept.plan.digest == default.digest and kept.step_time_s == pytest.approx(default_result.step_time_s)
-    assert kept.stages[-1]["stage"] == "margin: the runtime default kept"
-    reported = float(kept.stages[-1]["what"].split("best was ")[1].split(" %")[0])
+    # the default's pieces, groups and credit, in the runtime's priority order (what dynamic runs)
+    assert kept.plan.order == "priority" and default.order == "fixed"
+    assert (kept.plan.pieces, kept.plan.groups, kept.plan.credit_bytes) == (default.pieces, default.groups,
+                                                                            default.credit_bytes)
+    assert kept.step_time_s == pytest.approx(default_result.step_time_s, rel=1e-3)
+    assert [s["stage"] for s in kept.stages[-2:]] == ["margin: the runtime default kept",
+                                                      "order: the runtime's priority order"]
+    reported = float(kept.stages[-2]["what"].split("best was ")[1].split(" %")[0])
     assert 0 < reported <= 45
+    replayed = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.45, kept_default_order="fixed"))
+    assert replayed.plan.digest == default.digest and replayed.stages[-1]["stage"].startswith("margin")
     below = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.001))
     assert below.plan.digest != default.digest  # a gain above the margin is taken
     assert not any(s["stage"].startswith("margin") for s in below.stages)
+    assert below.plan.order == "fixed"  # a plan that departs from the default is replayed as planned
 
 
 def test_a_large_gain_passes_the_margin_two_level():

@@ -101,7 +101,7 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
                          alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0,
-                         auto_plan=False)
+                         auto_plan=False, plan_order="fixed")
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -110,7 +110,7 @@ def test_plan(model, sc: dict, rank: int, world: int) -> Plan:
     group cut at its own piece size, pieces interleaved (a fused group's pieces out of index order),
     ``algorithm`` for every piece on ``nodes`` x ``world // nodes``. ``sc['plan']``: ``"fused"``;
     ``"other_model"`` (made for a model whose layers.2.weight is 32x31); ``"differs_on_rank1"``
-    (rank 1 has another credit)."""
+    (rank 1 has another credit). ``sc['plan_order']``: the plan's ``order`` (fixed or priority)."""
     params = dict(model.named_parameters())
     entries = [PlannedTensor(n, p.numel(), p.element_size(), tuple(p.shape), str(p.dtype).removeprefix("torch."))
                for n, p in params.items()]
@@ -135,7 +135,7 @@ def test_plan(model, sc: dict, rank: int, world: int) -> Plan:
              + [(fused_name(low), 0)] + [("layers.0.weight", i) for i in range(counts["layers.0.weight"])])
     credit = sc["credit"] * (2 if sc["plan"] == "differs_on_rank1" and rank == 1 else 1)
     return Plan(model=tuple(entries), groups=groups, pieces=tuple(PlannedPiece(t, i, algorithm) for t, i in order),
-                credit_bytes=credit, nodes=sc["nodes"], ranks_per_node=world // sc["nodes"])
+                credit_bytes=credit, nodes=sc["nodes"], ranks_per_node=world // sc["nodes"], order=sc["plan_order"])
 
 
 def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:

@@ -124,25 +124,35 @@ def test_a_rank_that_dies_mid_training_makes_the_others_fail_clearly_not_hang(ra
 
 # ------------------------------------------------------------------ ordering="planned"
 def check_planned_order(results: list[list[dict]]) -> None:
-    """Every rank issued exactly the plan's piece order, every step (the scheduler's per-step record)."""
+    """Every rank issued exactly the plan's piece order, every step (the scheduler's per-step record);
+    a plan of ``order`` priority: the plan's pieces, in one order on every rank (rank 0's)."""
     for rank_results in results:
-        for r in rank_results:
+        for i, r in enumerate(rank_results):
             assert r["order"], r["scenario"]
             for step, seen in r["order"].items():
-                assert seen["order"] == r["plan_order"], f"rank {r['rank']} step {step} {r['scenario']}"
+                if r["scenario"].get("plan_order") == "priority":
+                    assert sorted(seen["order"]) == sorted(r["plan_order"]), f"rank {r['rank']} step {step}"
+                    assert seen["order"] == results[0][i]["order"][step]["order"], f"rank {r['rank']} step {step}"
+                else:
+                    assert seen["order"] == r["plan_order"], f"rank {r['rank']} step {step} {r['scenario']}"
 
 
 @pytest.mark.timeout(150)
 def test_planned_with_fused_groups_and_per_group_piece_sizes_is_bitwise_on_two_ranks(ranks):
     items = [{"plan": "fused", "optimizer": "sgd_momentum", "steps": 5},
              {"plan": "fused", "optimizer": "adam", "cross": 0, "steps": 4},
-             {"plan": "fused", "optimizer": "adam", "accum": 2, "steps": 3}]
+             {"plan": "fused", "optimizer": "adam", "accum": 2, "steps": 3},
+             {"plan": "fused", "optimizer": "adam", "steps": 4, "plan_order": "priority", "delay": 0.002}]
     results = ranks(2, *scenarios(*items), timeout=130)
     check_all(results, exact=True)
     check_planned_order(results)
     for r in results[0]:
         assert r["stats"]["ordering"] == "planned"
         assert r["plan_order"][0] == "fused[layers.4.weight..layers.4.bias](2)#2"  # out of index order
+    # order priority: the plan's cut, rank 0 deciding by priority (the head's pieces in index order)
+    for seen in results[0][3]["order"].values():
+        head = [n for n in seen["order"] if n.startswith("fused[layers.4")]
+        assert head == sorted(head, key=lambda n: int(n.rsplit("#", 1)[1])), head
     assert results[0][0]["stats"]["plan"]["fused_groups"] == 2
 
 

@@ -304,7 +304,7 @@ def _make_bench_plan(run_spec: dict, path: str) -> dict[str, Any]:
     os.replace(tmp, path)
     return {"path": path, "digest": plan.digest, "predicted": dict(plan.predicted),
             "groups": len(plan.groups), "pieces": len(plan.pieces), "credit_bytes": plan.credit_bytes,
-            "algorithms": sorted({p.algorithm for p in plan.pieces}),
+            "algorithms": sorted({p.algorithm for p in plan.pieces}), "order": plan.order,
             "profile_s": profiled - started, "plan_s": time.monotonic() - profiled,
             "topology": topology_source, "topology_describe": topology.describe()}
 
