@@ -216,7 +216,7 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
     try:
         from commsched.costmodel.cli import advise
 
-        advice = advise(profile, topology)
+        advice = advise(profile, topology, fusion_bytes=fusion_bytes)
         a = advice["settings"]
         advised = Settings(a["ordering"], a.get("partition_bytes", UNLIMITED_BYTES),
                            a.get("credit_bytes", UNLIMITED_BYTES), fusion_bytes)

@@ -488,15 +488,17 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
 
 # ------------------------------------------------------------------ advise
 def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, ...] = (0.5, 1, 2, 4, 16),
-           credit_mb: tuple[float, ...] = (2, 4, 8, 32)) -> dict[str, Any]:
-    """Whether scheduling helps this model on this network, by how much, with which settings, and why."""
+           credit_mb: tuple[float, ...] = (2, 4, 8, 32), fusion_bytes: int | None = None) -> dict[str, Any]:
+    """Whether scheduling helps this model on this network, by how much, with which settings, and why.
+    ``fusion_bytes``: the runtime's fusion of small gradients (default the runtime's, 256 KiB)."""
+    fusion = SimSettings().fusion_bytes if fusion_bytes is None else int(fusion_bytes)
     ddp = min((simulate(profile, topology, name) for name in ("ddp", "ddp:4", "ddp:1")),
               key=lambda r: r.step_time_s)
-    candidates = [(simulate(profile, topology, "fifo"), {"ordering": "fifo"})]
+    candidates = [(simulate(profile, topology, "fifo", SimSettings(fusion_bytes=fusion)), {"ordering": "fifo"})]
     for p_mb, c_mb in itertools.product(partition_mb, credit_mb):
         if c_mb < p_mb:
             continue
-        s = SimSettings(partition_bytes=int(p_mb * MB), credit_bytes=int(c_mb * MB))
+        s = SimSettings(partition_bytes=int(p_mb * MB), credit_bytes=int(c_mb * MB), fusion_bytes=fusion)
         chosen = {"ordering": "dynamic", "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
         candidates.append((simulate(profile, topology, "dynamic", s), chosen))
     best, settings = min(candidates, key=lambda c: c[0].step_time_s)

@@ -22,8 +22,8 @@ what each stage gained.
 
 Search, in stages (each records its best step time in ``PlanResult.stages``):
 
-* ``dynamic`` — the runtime's default: 1 MiB pieces, 4 MiB credit, flat ring, no fusion
-  (the reference the gains are measured from; not a plan candidate of its own);
+* ``dynamic`` — the runtime's default: 1 MiB pieces, 4 MiB credit, flat ring, small gradients
+  fused up to 256 KiB (the reference the gains are measured from; not a plan candidate of its own);
 * ``greedy`` — EDD order for each piece size × credit × fusion threshold × algorithm
   rule (``ring``, ``hierarchical``, or the faster of the two per piece);
 * ``sizes`` — coordinate descent on each group's own piece size (×¼, ×4), EDD order;
@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterator
 
 from commsched.costmodel.collectives import allreduce_s
 from commsched.costmodel.profile import Profile
-from commsched.costmodel.simulator import SimResult, SimSettings, planned_tensors, simulate
+from commsched.costmodel.simulator import SimResult, SimSettings, fusion_runs, planned_tensors, simulate
 from commsched.costmodel.topology import Topology
 from commsched.plan import ALGORITHMS, ORDERS, Plan, PlanGroup, PlannedPiece, fused_name
 from commsched.partition import piece_bounds
@@ -69,7 +69,9 @@ __all__ = ["ALGORITHM_RULES", "PlanResult", "PlanSearch", "greedy_plan", "make_g
 
 KIB, MIB = 1 << 10, 1 << 20
 #: The greedy grid's point that is the runtime's default (``dynamic``'s settings, as a plan).
-DEFAULT_KNOBS = {"fusion_bytes": 0, "partition_bytes": 1 * MIB, "algorithm": "ring", "credit_bytes": 4 * MIB}
+#: The runtime's defaults (``SchedulerConfig()``: 1 MiB pieces, 4 MiB credit, small gradients fused
+#: up to 256 KiB; flat ring), as the planner's grid names them: what ``dynamic`` runs.
+DEFAULT_KNOBS = {"fusion_bytes": 256 * KIB, "partition_bytes": 1 * MIB, "algorithm": "ring", "credit_bytes": 4 * MIB}
 #: How the algorithm of each piece is chosen in the greedy stage.
 ALGORITHM_RULES = ("ring", "hierarchical", "best")
 
@@ -111,7 +113,7 @@ class PlanSearch:
     #: two-level pieces (284 a step) 0.8 % ahead of 1 MiB ones (77); measured, the 284 pieces
     #: cost 219 ms of scheduler CPU a step against 101 ms and ran 2.52 s against 2.32 s.
     tie_tolerance: float = 0.02
-    #: the plan departs from the runtime's default (1 MiB pieces, 4 MiB credit, no fusion, flat
+    #: the plan departs from the runtime's default (1 MiB pieces, 4 MiB credit, fusion 256 KiB, flat
     #: ring, EDD order; when the grid holds it) only if the simulator puts it ahead by more than
     #: this share. A smaller predicted gain is inside the model's error (mean 3.9 % on this
     #: machine, docs/simulator.md), and what the model misses runs against the departures it
@@ -191,29 +193,14 @@ def _tensors_forward(profile: Profile) -> list[Any]:
 
 def make_groups(profile: Profile, fusion_bytes: int, partition_bytes: int | dict[str, int]) -> list[PlanGroup]:
     """The tasks of a plan: runs of adjacent small tensors (each under ``fusion_bytes``,
-    one element size, together at most ``fusion_bytes``) fused; every other tensor alone.
+    one element size, together at most ``fusion_bytes``) fused, exactly as the runtime fuses
+    them (:func:`~commsched.costmodel.simulator.fusion_runs`); every other tensor alone.
 
     ``partition_bytes``: one piece size for all, or per group name (missing names: 1 MiB).
     Adjacent in forward order is adjacent in backward, so a fused group waits only for
     tensors that are ready at about the same time.
     """
-    runs: list[list[Any]] = []
-    current: list[Any] = []
-    size = 0
-    for t in _tensors_forward(profile):
-        small = fusion_bytes > 0 and t.nbytes < fusion_bytes
-        fits_run = current and size + t.nbytes <= fusion_bytes and current[0].element_size == t.element_size
-        if small and fits_run:
-            current.append(t)
-            size += t.nbytes
-            continue
-        if current:
-            runs.append(current)
-        current, size = ([t], t.nbytes) if small else ([], 0)
-        if not small:
-            runs.append([t])
-    if current:
-        runs.append(current)
+    runs = fusion_runs(profile, fusion_bytes)
     groups = []
     for run in runs:
         names = tuple(t.name for t in run)
@@ -481,7 +468,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
 
     reference = simulate(profile, topology, "dynamic", settings)
     stages.append({"stage": "dynamic", "step_time_s": reference.step_time_s,
-                   "what": "runtime default: 1 MiB pieces, 4 MiB credit, flat ring, no fusion, EDD order"})
+                   "what": "runtime default: 1 MiB pieces, 4 MiB credit, flat ring, fusion 256 KiB, EDD order"})
 
     # stage 1: greedy (EDD) over the grid
     tick("greedy")

@@ -48,7 +48,8 @@ def training_report(stats: dict[str, Any], *, settings: dict[str, Any], profile:
             out["overlap_ratio"] = min(1.0, max(0.0, 1.0 - out["exposed_comm_s"] / comm))
         if profile is not None:
             sim_settings = SimSettings(partition_bytes=int(settings.get("partition_bytes", 4 << 20)),
-                                       credit_bytes=int(settings.get("credit_bytes", 16 << 20)))
+                                       credit_bytes=int(settings.get("credit_bytes", 16 << 20)),
+                                       fusion_bytes=int(settings.get("fusion_bytes", 0)))  # 0: a plugin that fuses none
             ordering = settings.get("ordering", "dynamic")
             name = ordering if ordering in ("fifo", "dynamic", "static") else "dynamic"
             result = simulate(profile, topology, name, sim_settings)

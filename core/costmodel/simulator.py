@@ -29,8 +29,10 @@ strategy         model
                  collectives of at most the fusion threshold (128 MiB); ``step()``
                  waits for all of them, then the optimizer step
 ``allreduce``    backward, then one flat all-reduce, then the optimizer step
-``fifo``         commsched, one piece per tensor, no credit (backward order)
-``dynamic``,     commsched, pieces of ``partition_bytes`` by priority within
+``fifo``         commsched, one piece per tensor (or fused run), no credit (backward order)
+``dynamic``,     commsched, runs of small tensors fused as the runtime fuses them
+                 (``fusion_bytes``, 256 KiB: :func:`fusion_runs`; one task, ready with
+                 the last of them), pieces of ``partition_bytes`` by priority within
 ``static``       ``credit_bytes``; cross-iteration: layer *i* of the next
                  forward waits for its own gradients, then applies them
 ``hierarchical`` ``dynamic`` with every piece reduced by the two-level algorithm
@@ -63,7 +65,7 @@ from commsched.costmodel.profile import Profile, TensorSpec
 from commsched.costmodel.slack import slack_order
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
-from commsched.plan import Plan, PlannedTensor
+from commsched.plan import Plan, PlannedTensor, fused_name
 from commsched.policy import PlannedPolicy, PriorityPolicy, Unstarted, replay_policy
 from commsched.task import Piece, Task
 
@@ -84,6 +86,10 @@ class SimSettings:
 
     partition_bytes: int = 1 * MB
     credit_bytes: int = 4 * MB
+    #: runs of adjacent gradients under this size are one task (the runtime's ``fusion_bytes``,
+    #: :func:`fusion_runs`); 0: every gradient its own task. ``fifo``, ``dynamic``, ``static``,
+    #: ``hierarchical`` and ``slack``; a plan has its own groups.
+    fusion_bytes: int = 256 << 10
     ddp_bucket_bytes: int = 25 * MB
     ddp_first_bucket_bytes: int = 1 * MB
     horovod_fusion_bytes: int = 128 * MB
@@ -98,10 +104,37 @@ class SimSettings:
                      "horovod_fusion_bytes"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive number of bytes")
+        if isinstance(self.fusion_bytes, bool) or not isinstance(self.fusion_bytes, int) or self.fusion_bytes < 0:
+            raise ValueError(f"fusion_bytes={self.fusion_bytes!r} must be a number of bytes >= 0 (0: no fusion)")
         if not self.horovod_cycle_s > 0:
             raise ValueError(f"horovod_cycle_s={self.horovod_cycle_s!r} must be > 0")
         if self.steps < 3:
             raise ValueError(f"steps={self.steps!r}: at least 3 (one warm-up, two measured)")
+
+
+def fusion_runs(profile: Profile, fusion_bytes: int) -> list[list[Any]]:
+    """The profile's gradients in forward order, as the runtime fuses them
+    (``DistributedOptimizer``'s ``fusion_bytes``): runs of adjacent tensors, each smaller than
+    ``fusion_bytes`` and not empty, of one element size, together at most ``fusion_bytes``, are
+    one run; every other tensor is a run of its own. Adjacent in forward order is adjacent in
+    backward, so a run waits only for tensors ready at about the same time."""
+    runs: list[list[Any]] = []
+    current: list[Any] = []
+    size = 0
+    for t in (t for layer in profile.layers for t in layer.tensors):
+        small = fusion_bytes > 0 and 0 < t.nbytes < fusion_bytes
+        if small and current and size + t.nbytes <= fusion_bytes and current[0].element_size == t.element_size:
+            current.append(t)
+            size += t.nbytes
+            continue
+        if current:
+            runs.append(current)
+        current, size = ([t], t.nbytes) if small else ([], 0)
+        if not small:
+            runs.append([t])
+    if current:
+        runs.append(current)
+    return runs
 
 
 @dataclass(frozen=True)
@@ -446,7 +479,14 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     if model.priority == "slack" and plan is None:
         forward_index = slack_order(profile, topology, settings.slack_alpha, algorithm=algorithm).tensor_priority
     tensor_layer = {t.name: li for li, layer in enumerate(layers) for t in layer.tensors}
-    group_waiting: dict[tuple[int, str], int] = {}  # planned: tensors of a group not ready yet
+    group_waiting: dict[tuple[int, str], int] = {}  # fused groups: tensors of a group not ready yet
+    # without a plan: the runtime's fusion of small gradients (settings.fusion_bytes) makes the groups
+    fused_of: dict[str, list[Any]] = {}
+    if plan is None:
+        for run in fusion_runs(profile, settings.fusion_bytes):
+            if len(run) > 1:
+                for t in run:
+                    fused_of[t.name] = run
 
     def dispatch(step: int) -> None:
         while True:
@@ -505,8 +545,19 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         def fire() -> None:
             for t in layers[li].tensors:
                 if plan is None:
-                    submit(step, t.name, [t.name], t.numel, t.element_size,
-                           piece_bounds(t.numel, t.element_size, partition), None)
+                    run = fused_of.get(t.name)
+                    if run is None:
+                        submit(step, t.name, [t.name], t.numel, t.element_size,
+                               piece_bounds(t.numel, t.element_size, partition), None)
+                        continue
+                    name = fused_name([m.name for m in run])
+                    key = (step, name)
+                    group_waiting[key] = group_waiting.get(key, len(run)) - 1
+                    if group_waiting[key] == 0:
+                        del group_waiting[key]
+                        numel = sum(m.numel for m in run)
+                        submit(step, name, [m.name for m in run], numel, run[0].element_size,
+                               piece_bounds(numel, run[0].element_size, partition), None)
                     continue
                 group = plan.group_of(t.name)
                 key = (step, group.name)

@@ -1286,8 +1286,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         except ValueError:  # no model: no layers to time
             prof = None
         settings = {"ordering": self.config.ordering, "partition_bytes": self.config.partition_bytes,
-                    "credit_bytes": self.config.credit_bytes, "cross_iteration": self._cross,
-                    "world_size": self.world_size}
+                    "credit_bytes": self.config.credit_bytes, "fusion_bytes": self.config.fusion_bytes,
+                    "cross_iteration": self._cross, "world_size": self.world_size}
         return format_report(training_report(self.stats(), settings=settings, profile=prof, topology=topology))
 
     def close(self, timeout: float | None = None) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
+
+from commsched import SchedulerConfig
 
 from commsched.costmodel.collectives import allreduce_s
 from commsched.costmodel.planner import PlanSearch, greedy_plan, make_groups, make_plan, solve_order
@@ -62,14 +65,33 @@ def test_tensors_of_different_element_sizes_never_share_a_buffer():
 
 
 # ---------------------------------------------------------------- greedy
-def test_the_greedy_plan_replays_dynamic_exactly_when_it_makes_the_same_choices():
-    settings = SimSettings(partition_bytes=1 * MB, credit_bytes=4 * MB, steps=4)
+@pytest.mark.parametrize("fusion", [0, 20 * KB, 256 * KB])
+def test_the_greedy_plan_replays_dynamic_exactly_when_it_makes_the_same_choices(fusion):
+    # the simulated dynamic fuses small gradients as the runtime does (fusion_bytes), so a plan with
+    # the same fusion, piece size and credit is the same step, piece for piece
+    settings = SimSettings(partition_bytes=1 * MB, credit_bytes=4 * MB, fusion_bytes=fusion, steps=4)
     topo = flat()
-    plan, result = greedy_plan(MIXED, topo, make_groups(MIXED, 0, 1 * MB), 4 * MB, "ring", steps=4)
+    plan, result = greedy_plan(MIXED, topo, make_groups(MIXED, fusion, 1 * MB), 4 * MB, "ring", steps=4)
     dynamic = simulate(MIXED, topo, "dynamic", settings)
     assert result.step_time_s == pytest.approx(dynamic.step_time_s, rel=1e-9)
     assert list(plan.piece_names) == dynamic.issue_order
     assert all(p.algorithm == "ring" for p in plan.pieces)
+    assert any(g.fused for g in plan.groups) == (fusion > 0)
+    assert dynamic.pieces_per_step == len(plan.pieces)
+
+
+def test_the_planners_default_knobs_are_what_the_bench_runs_dynamic_with():
+    # `commsched bench`: --partition-mb 1, --credit-mb 4, and SchedulerConfig's fusion_bytes (it sets none)
+    from commsched.bench.cli import add_arguments
+    from commsched.costmodel.planner import DEFAULT_KNOBS
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workload", "comm-heavy", "--json", "out.json"])
+    settings = SimSettings()
+    bench = (int(args.partition_mb * MB), int(args.credit_mb * MB), SchedulerConfig().fusion_bytes)
+    assert (settings.partition_bytes, settings.credit_bytes, settings.fusion_bytes) == bench
+    assert (DEFAULT_KNOBS["partition_bytes"], DEFAULT_KNOBS["credit_bytes"], DEFAULT_KNOBS["fusion_bytes"]) == bench
 
 
 def test_best_rule_picks_the_two_level_algorithm_where_the_model_says_it_is_faster():
@@ -176,7 +198,8 @@ def test_a_predicted_gain_inside_the_margin_keeps_the_runtime_default_plan():
                 time_limit_s=1.0, size_rounds=1, size_groups=3)
     topo = flat()
     free = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.0))
-    default, default_result = greedy_plan(MIXED, topo, make_groups(MIXED, 0, 1 * MB), 4 * MB, "ring", steps=4)
+    default, default_result = greedy_plan(MIXED, topo, make_groups(MIXED, 256 * KB, 1 * MB), 4 * MB, "ring",
+                                          steps=4)
     gain = 1 - free.step_time_s / default_result.step_time_s
     assert 0 < gain < 0.45, "the model must see some gain off the default for this test to mean anything"
     assert not any(s["stage"].startswith("margin") for s in free.stages)
