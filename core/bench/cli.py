@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "are killed (default 900)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run every strategy this many times, each round in a rotated order, and report the "
+                        help="run every strategy this many times, each round in another order (a Williams design), and "
+                             "report the "
                              "median of the rounds and each strategy's speedup paired with ddp of the same round "
                              "(default 1; use 3 or more on a shared or noisy machine: docs/bench.md, Rounds)")
     parser.add_argument("--calibrate", action="store_true",

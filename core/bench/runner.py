@@ -3,7 +3,7 @@
 One *phase* is one launch of all worker processes: first the baseline, then
 one per strategy (a fresh process group each, so a crash or a leftover thread
 of one strategy cannot touch the next). With ``rounds`` > 1 every strategy runs
-once per round, each round in a rotated order (:func:`round_order`), so a slow
+once per round, each round in another order (:func:`round_order`, a Williams design), so a slow
 stretch of a shared machine falls on different strategies in different rounds
 and the report can pair each strategy with the baseline strategy of the same
 round (docs/bench.md, "Rounds"). Each phase has a deadline; a worker
@@ -111,13 +111,27 @@ def choose_batch_size(trials: list[dict[str, float]], target: float, default: in
 
 
 def round_order(count: int, round_index: int) -> list[int]:
-    """The order in which round ``round_index`` runs ``count`` strategies: the list rotated
-    left by ``round_index``, so over ``count`` rounds each strategy runs once in every position
-    (first after the baseline, last, ...) and no strategy always follows the same one."""
+    """The order in which round ``round_index`` runs ``count`` strategies: a row of a Williams
+    design. Row r is ``0, 1, n-1, 2, n-2, ...`` with r added to each entry (mod n); for an odd n
+    the rows n..2n-1 are the first n reversed. So over n rounds (2n for an odd n) each strategy
+    runs equally often in every position, and each strategy runs right after every other one
+    equally often: a slow stretch, or a strategy that leaves the machine warm or its page cache
+    full, does not always fall on the same neighbour. A plain rotation would always run strategy
+    i + 1 right after strategy i (measured: `planned` two places after `dynamic` in every round)."""
     if count <= 0:
         return []
-    shift = round_index % count
-    return list(range(shift, count)) + list(range(shift))
+    base = [0]
+    low, high = 1, count - 1
+    while len(base) < count:
+        base.append(low)
+        low += 1
+        if len(base) < count:
+            base.append(high)
+            high -= 1
+    period = count if count % 2 == 0 else 2 * count
+    r = round_index % period
+    row = [(x + r % count) % count for x in base]
+    return row[::-1] if r >= count else row
 
 
 class Runner:

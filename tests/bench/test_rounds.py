@@ -22,15 +22,34 @@ from bench_phases import CONFIG, DDP, baseline_rank as _baseline_rank, train_ran
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 5])
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6])
 def test_over_count_rounds_every_strategy_runs_once_in_every_position(count):
     orders = [round_order(count, r) for r in range(count)]
     for order in orders:
         assert sorted(order) == list(range(count))
     for position in range(count):
         assert sorted(order[position] for order in orders) == list(range(count))
-    assert round_order(count, count) == round_order(count, 0)  # the cycle repeats
+    period = count if count % 2 == 0 else 2 * count
+    assert round_order(count, period) == round_order(count, 0)  # the cycle repeats
     assert round_order(0, 3) == []
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6])
+def test_every_strategy_follows_every_other_equally_often_over_a_period(count):
+    # a plain rotation would run strategy i + 1 right after i in every round
+    period = count if count % 2 == 0 else 2 * count
+    follows = {}
+    for r in range(period):
+        order = round_order(count, r)
+        assert sorted(order) == list(range(count))
+        for a, b in zip(order, order[1:], strict=False):
+            follows[(a, b)] = follows.get((a, b), 0) + 1
+    pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
+    assert sorted(follows) == sorted(pairs)
+    assert len(set(follows.values())) == 1, follows
+    # the three rounds a run usually has: the two orders of a pair both occur among 5 strategies
+    first3 = [round_order(5, r) for r in range(3)]
+    assert any(o.index(2) < o.index(4) for o in first3) and any(o.index(4) < o.index(2) for o in first3)
 
 
 def _phase(name, steps, rnd, position=0, status="ok"):

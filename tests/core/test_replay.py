@@ -162,3 +162,21 @@ def test_bad_arguments_raise_with_the_fix():
         plan([], 0, 1)
     with pytest.raises(ValueError, match="CostModel"):
         CostModel(link_bytes_per_s=0)
+
+
+def test_a_plan_of_priority_order_replays_its_pieces_by_priority_not_as_listed():
+    # TensorFlow writes the replay's order into its graph: a plan whose order is 'priority' gets the
+    # order dynamic's rule gives its pieces (the plan's cut), not the order it lists
+    from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor
+
+    model = (PlannedTensor("a", 12, 4), PlannedTensor("b", 8, 4))
+    groups = (PlanGroup("a", ("a",), 16), PlanGroup("b", ("b",), 32))
+    listed = (PlannedPiece("b", 0), PlannedPiece("a", 2), PlannedPiece("a", 1), PlannedPiece("a", 0))
+    tensors = [PlanTensor("a", 12, 4, priority=0, ready=1.0), PlanTensor("b", 8, 4, priority=1, ready=0.0)]
+    fixed = Plan(model=model, groups=groups, pieces=listed, credit_bytes=1 << 20)
+    by_priority = Plan(model=model, groups=groups, pieces=listed, credit_bytes=1 << 20, order="priority")
+    assert plan(tensors, 1 << 20, 1 << 20, ordering="planned", plan=fixed).order == \
+        ["b#0", "a#2", "a#1", "a#0"]
+    # b is ready first and goes; then a's pieces in index order (the plan's 16 B cut)
+    assert plan(tensors, 1 << 20, 1 << 20, ordering="planned", plan=by_priority).order == \
+        ["b#0", "a#0", "a#1", "a#2"]
