@@ -52,8 +52,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "pieces in the runtime's priority order (default; what dynamic runs) or replay the "
                         "simulated order (fixed)")
     p.add_argument("--min-gain", type=float, default=0.05,
-                   help="keep the runtime default (1 MiB pieces, 4 MiB credit, no fusion, ring) unless the best plan "
-                        "is predicted this share faster (default 0.05, the model's error; 0 = take any gain)")
+                   help="keep the runtime default (1 MiB pieces, 4 MiB credit, fusion 256 KiB, ring) unless the "
+                        "best plan is predicted this share faster (default 0.05, the model's error; 0 = take any gain)")
     p.add_argument("--compare", default=COMPARE, help=f"strategies simulated beside the plan (default {COMPARE})")
 
 

@@ -69,8 +69,8 @@ from commsched.plan import Plan, PlannedTensor, fused_name
 from commsched.policy import PlannedPolicy, PriorityPolicy, Unstarted, replay_policy
 from commsched.task import Piece, Task
 
-__all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "parse_sim_strategy", "planned_tensors", "simulate",
-           "simulate_all"]
+__all__ = ["SIM_STRATEGIES", "SimResult", "SimSettings", "fusion_runs", "parse_sim_strategy", "planned_tensors",
+           "simulate", "simulate_all"]
 
 MB = 1 << 20
 UNLIMITED = 1 << 60
