@@ -199,43 +199,16 @@ def test_a_plan_without_an_order_field_is_fixed_and_an_unknown_order_is_refused(
 
 def test_ranks_of_an_inprocess_world_run_a_priority_order_plan_in_rank_zeros_order():
     plan = make_plan(credit=24, issue="priority")
-    seen: dict[int, list] = {0: [], 1: []}
-    with InProcessWorld(2) as world:
-        scheds = [Scheduler(world.backend(r), ArrayOps(), SchedulerConfig(ordering="planned", plan=plan, timeout_s=10),
-                            store=world.store, observer=lambda p, q, f, r=r: seen[r].append(p.name))
-                  for r in range(2)]
-        try:
-            out = {}
-
-            def run(r):
-                for step in range(3):
-                    fused = out[(r, step, "f")] = array.array("f", [float(10 * (r + 1))] * 5)
-                    a = out[(r, step, "a")] = array.array("f", [float(r + 1)] * 12)
-                    if r == 1:  # rank 1's gradients get ready in another order: rank 0's order rules
-                        futures = [scheds[r].submit("a", a, priority=0), scheds[r].submit(SMALL, fused, priority=1)]
-                    else:
-                        futures = [scheds[r].submit(SMALL, fused, priority=1), scheds[r].submit("a", a, priority=0)]
-                    scheds[r].mark_step()
-                    for f in futures:
-                        scheds[r].wait(f)
-            threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(20)
-            for s in scheds:
-                assert s.error is None, s.error
-                stats = s.stats()
-                assert stats["plan_digest"] == plan.digest and stats["credit_bytes"] == 24
-                assert stats["partition_bytes_per_group"] == {g.name: g.partition_bytes for g in plan.groups}
-            assert scheds[0].mode == "leader" and scheds[1].mode == "follower"
-        finally:
-            for s in scheds:
-                s.close()
+    # rank 1's gradients get ready in another order than rank 0's: rank 0's order rules
+    seen, tensors, stats, modes, mismatches = run_two_ranks(plan, a_first_on=(1,))
+    for st in stats:
+        assert st["plan_digest"] == plan.digest and st["credit_bytes"] == 24
+        assert st["partition_bytes_per_group"] == {g.name: g.partition_bytes for g in plan.groups}
+    assert modes == ["leader", "follower"]
     assert seen[0] == seen[1] and len(seen[0]) == 3 * len(plan.pieces)
-    assert sorted(seen[0][:4]) == sorted(plan.piece_names)  # the plan's pieces, whatever the order
-    assert world.mismatches == []
-    assert list(out[(0, 2, "a")]) == [3.0] * 12 and list(out[(1, 0, "f")]) == [30.0] * 5
+    assert sorted(name for name, _ in seen[0][:4]) == sorted(plan.piece_names)  # the plan's pieces, any order
+    assert mismatches == []
+    assert list(tensors[(0, 2, "a")]) == [3.0] * 12 and list(tensors[(1, 0, "f")]) == [30.0] * 5
 
 
 def test_a_plan_file_path_is_loaded(tmp_path):
@@ -245,21 +218,24 @@ def test_a_plan_file_path_is_loaded(tmp_path):
     assert policy.plan.digest == make_plan().digest
 
 
-def test_ranks_of_an_inprocess_world_issue_exactly_the_plan_with_its_piece_sizes_and_algorithms():
-    plan = make_plan(credit=24, algorithm="hierarchical")
+def run_two_ranks(plan, a_first_on=(0, 1)):
+    """Three steps of ``a`` and the fused group on 2 in-process ranks running ``plan``; ranks in
+    ``a_first_on`` submit ``a`` first, the others the fused group first. Returns each rank's
+    started ``(piece, algorithm)``, the tensors, each rank's stats and mode, and the mismatches."""
     seen: dict[int, list] = {0: [], 1: []}
+    tensors: dict = {}
     with InProcessWorld(2) as world:
         scheds = [Scheduler(world.backend(r), ArrayOps(), SchedulerConfig(ordering="planned", plan=plan, timeout_s=10),
                             store=world.store, observer=lambda p, q, f, r=r: seen[r].append((p.name, p.algorithm)))
                   for r in range(2)]
         try:
-            tensors = {}
-
             def run(r):
                 for step in range(3):
                     a = tensors[(r, step, "a")] = array.array("f", [float(r + 1)] * 12)
                     fused = tensors[(r, step, "f")] = array.array("f", [float(10 * (r + 1))] * 5)
-                    futures = [scheds[r].submit("a", a, priority=0), scheds[r].submit(SMALL, fused, priority=1)]
+                    order = [("a", a, 0), (SMALL, fused, 1)]
+                    futures = [scheds[r].submit(n, t, priority=p) for n, t, p in
+                               (order if r in a_first_on else order[::-1])]
                     scheds[r].mark_step()
                     for f in futures:
                         scheds[r].wait(f)
@@ -270,19 +246,26 @@ def test_ranks_of_an_inprocess_world_issue_exactly_the_plan_with_its_piece_sizes
                 t.join(20)
             for s in scheds:
                 assert s.error is None, s.error
-                stats = s.stats()
-                assert stats["mode"] == "planned" and stats["credit_bytes"] == 24
-                assert stats["plan_digest"] == plan.digest
-                # the piece sizes in use are the plan's, not the config's 4 MiB default
-                assert stats["partition_bytes_per_group"] == {g.name: g.partition_bytes for g in plan.groups}
-                assert stats["partition_bytes"] == max(g.partition_bytes for g in plan.groups) != 4 << 20
-                assert stats["max_in_flight_bytes"] <= 24 or stats["max_in_flight_bytes"] == 20
+            stats, modes = [s.stats() for s in scheds], [s.mode for s in scheds]
         finally:
             for s in scheds:
                 s.close()
+    return seen, tensors, stats, modes, world.mismatches
+
+
+def test_ranks_of_an_inprocess_world_issue_exactly_the_plan_with_its_piece_sizes_and_algorithms():
+    plan = make_plan(credit=24, algorithm="hierarchical")
+    seen, tensors, stats, modes, mismatches = run_two_ranks(plan)
+    for st in stats:
+        assert st["mode"] == "planned" and st["credit_bytes"] == 24
+        assert st["plan_digest"] == plan.digest
+        # the piece sizes in use are the plan's, not the config's 4 MiB default
+        assert st["partition_bytes_per_group"] == {g.name: g.partition_bytes for g in plan.groups}
+        assert st["partition_bytes"] == max(g.partition_bytes for g in plan.groups) != 4 << 20
+        assert st["max_in_flight_bytes"] <= 24 or st["max_in_flight_bytes"] == 20
     want = [(name, "hierarchical") for name in plan.piece_names] * 3
     assert seen[0] == want and seen[1] == want
-    assert world.mismatches == []
+    assert mismatches == []
     assert list(tensors[(0, 2, "a")]) == [3.0] * 12 and list(tensors[(1, 0, "f")]) == [30.0] * 5
 
 
