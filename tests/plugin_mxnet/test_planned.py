@@ -15,6 +15,7 @@ pytest.importorskip("mxnet")
 SCENARIOS = {
     "planned": {"ordering": "planned", "plan": "good", "steps": 4},
     "planned_adam": {"ordering": "planned", "plan": "good", "optimizer": "adam", "steps": 3},
+    "planned_priority": {"ordering": "planned", "plan": "priority", "steps": 4},
     "other_model": {"ordering": "planned", "plan": "other_model", "refused": True},
     "differs": {"ordering": "planned", "plan": "differs", "refused": True},
     "fused": {"ordering": "planned", "plan": "fused", "refused": True},
@@ -29,7 +30,7 @@ def results(tmp_path_factory, run_scenarios):
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("name", ["planned", "planned_adam"])
+@pytest.mark.parametrize("name", ["planned", "planned_adam", "planned_priority"])
 def test_planned_training_equals_plain_dist_sync_bitwise(results, name):
     for rank, r in results[name].items():
         assert r["bitwise"], f"rank {rank}, {name}: weights differ from plain dist_sync by {r['max_diff']}"
@@ -45,6 +46,16 @@ def test_every_step_starts_the_plans_pieces_in_its_order_within_its_credit(resul
         for step, order in r["order"].items():  # (the stats keep the last steps)
             assert order == r["plan_order"], f"rank {rank} step {step}"
         assert r["max_in_flight_bytes"] <= r["credit"] == 4096
+
+
+@pytest.mark.timeout(170)
+def test_a_plan_of_priority_order_starts_its_pieces_in_rank_zeros_order_on_every_worker(results):
+    by_rank = [r for _, r in sorted(results["planned_priority"].items())]
+    assert len(by_rank) == 2 and by_rank[0]["order"], by_rank
+    assert [r["mode"] for r in by_rank] == ["leader", "follower"]  # rank 0 decides by priority
+    assert by_rank[0]["order"] == by_rank[1]["order"]  # the follower took rank 0's decisions
+    for step, order in by_rank[0]["order"].items():
+        assert sorted(order) == sorted(by_rank[0]["plan_order"]), f"step {step}: the plan's pieces, each once"
 
 
 @pytest.mark.timeout(170)

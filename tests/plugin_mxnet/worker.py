@@ -178,6 +178,7 @@ def run_scenario(inner, index: int, sc: dict) -> dict:
         "checksum": [float(sum(float(numpy.float64(a).sum()) for a in got)),
                      float(sum(float(numpy.float64(a).sum()) for a in ref))],
         "pieces": stats["pieces"],
+        "mode": stats.get("mode"),
         "max_in_flight_bytes": stats["max_in_flight_bytes"],
         "order": {str(k): v["order"] for k, v in stats["per_step"].items()},
         "queued_while_pending": queued_while_pending,
@@ -189,7 +190,8 @@ def make_plan(net, kind: str, rank: int):
     """A plan for ``net`` as the Trainer keys it (sorted parameter names): each key its own piece size,
     an order of its own, one piece "hierarchical" (plain push/pull on ps-lite). ``kind``: "good";
     "other_model" (the 40x48 weight as 48x40, as many elements); "differs" (rank 1 swaps two pieces);
-    "fused" (the two last biases in one group)."""
+    "fused" (the two last biases in one group); "priority" (the good plan with ``order`` priority:
+    its pieces in rank 0's priority order)."""
     from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor, fused_name
 
     entries = cmx.plan_model(net.collect_params())
@@ -214,7 +216,7 @@ def make_plan(net, kind: str, rank: int):
     hierarchical = (by_shape[(40, 48)], 1)
     pieces = tuple(PlannedPiece(t, i, "hierarchical" if (t, i) == hierarchical else "ring") for t, i in order)
     return Plan(model=tuple(entries), groups=tuple(groups), pieces=pieces, credit_bytes=4096, nodes=1,
-                ranks_per_node=2)
+                ranks_per_node=2, order="priority" if kind == "priority" else "fixed")
 
 
 def piece_bounds_of(group, entries):
