@@ -51,6 +51,7 @@ with mxnet's numpy 1.26 and TensorFlow's protobuf pin here; ``highspy`` needs on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -223,12 +224,6 @@ def _plan(profile: Profile, topology: Topology, groups: list[PlanGroup], order: 
     return Plan(model=tuple(planned_tensors(profile)), groups=tuple(groups), pieces=pieces, credit_bytes=int(credit),
                 nodes=topology.nodes, ranks_per_node=topology.ranks_per_node, topology=topology.to_dict(),
                 meta=dict(meta or {}))
-
-
-def _with_order(plan: Plan, order: str) -> Plan:
-    return Plan(model=plan.model, groups=plan.groups, pieces=plan.pieces, credit_bytes=plan.credit_bytes,
-                nodes=plan.nodes, ranks_per_node=plan.ranks_per_node, order=order, topology=plan.topology,
-                meta=plan.meta)
 
 
 def _all_pieces(profile: Profile, groups: list[PlanGroup]) -> list[tuple[str, int, int]]:
@@ -574,7 +569,7 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
     # the runtime default kept (by the margin, or the search's own best): nothing in its order to fix
     order = search.kept_default_order if default is not None and best_plan.digest == default[2].digest else "fixed"
     if order == "priority":
-        best_plan = _with_order(best_plan, order)
+        best_plan = dataclasses.replace(best_plan, order=order)
         best_result = simulate(profile, topology, "planned", settings, plan=best_plan)
         best_time = best_result.step_time_s
         stages.append({"stage": "order: the runtime's priority order", "step_time_s": best_time, "order": order,
@@ -587,12 +582,10 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
                  "overlap_ratio": best_result.overlap_ratio, "dynamic_step_s": reference.step_time_s,
                  "greedy_step_s": greedy_best, "milp_step_s": milp_best, "stages": stages,
                  "solver": {k: v for k, v in solver.items() if k != "solves"}}
-    final = Plan(model=best_plan.model, groups=best_plan.groups, pieces=best_plan.pieces,
-                 credit_bytes=best_plan.credit_bytes, nodes=best_plan.nodes, ranks_per_node=best_plan.ranks_per_node,
-                 order=best_plan.order, topology=topology.to_dict(), predicted=predicted,
-                 meta={"profile_source": profile.source, "made_by": "commsched plan", "search": {
-                     "partitions": list(search.partitions), "credits": list(search.credits),
-                     "fusions": list(search.fusions), "algorithm_rules": list(rules),
-                     "time_limit_s": search.time_limit_s}})
+    meta = {"profile_source": profile.source, "made_by": "commsched plan",
+            "search": {"partitions": list(search.partitions), "credits": list(search.credits),
+                       "fusions": list(search.fusions), "algorithm_rules": list(rules),
+                       "time_limit_s": search.time_limit_s}}
+    final = dataclasses.replace(best_plan, topology=topology.to_dict(), predicted=predicted, meta=meta)
     return PlanResult(plan=final, predicted=best_result, stages=stages, solver=solver, candidates=scored[0],
                       seconds=time.monotonic() - started)

@@ -479,14 +479,22 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     if model.priority == "slack" and plan is None:
         forward_index = slack_order(profile, topology, settings.slack_alpha, algorithm=algorithm).tensor_priority
     tensor_layer = {t.name: li for li, layer in enumerate(layers) for t in layer.tensors}
-    group_waiting: dict[tuple[int, str], int] = {}  # fused groups: tensors of a group not ready yet
-    # without a plan: the runtime's fusion of small gradients (settings.fusion_bytes) makes the groups
-    fused_of: dict[str, list[Any]] = {}
-    if plan is None:
+    # Each tensor's task: (name, member tensors, elements, element size, piece bounds, algorithm per
+    # piece). With a plan, the plan's groups; without, the runtime's fusion of small gradients
+    # (settings.fusion_bytes). A task of several tensors is submitted once the last of them is ready.
+    task_of: dict[str, tuple[str, list[str], int, int, list[tuple[int, int]], Any]] = {}
+    if plan is not None:
+        for group in plan.groups:
+            entry = (group.name, list(group.tensors), plan.group_numel(group), plan.group_element_size(group),
+                     plan.bounds(group), plan.algorithm_of)
+            task_of.update(dict.fromkeys(group.tensors, entry))
+    else:
         for run in fusion_runs(profile, settings.fusion_bytes):
-            if len(run) > 1:
-                for t in run:
-                    fused_of[t.name] = run
+            numel = sum(m.numel for m in run)
+            entry = (run[0].name if len(run) == 1 else fused_name([m.name for m in run]), [m.name for m in run],
+                     numel, run[0].element_size, piece_bounds(numel, run[0].element_size, partition), None)
+            task_of.update(dict.fromkeys(entry[1], entry))
+    group_waiting: dict[tuple[int, str], int] = {}  # tasks of several tensors: members not ready yet
 
     def dispatch(step: int) -> None:
         while True:
@@ -544,28 +552,15 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     def commsched_ready(step: int, li: int) -> Callable[[], None]:
         def fire() -> None:
             for t in layers[li].tensors:
-                if plan is None:
-                    run = fused_of.get(t.name)
-                    if run is None:
-                        submit(step, t.name, [t.name], t.numel, t.element_size,
-                               piece_bounds(t.numel, t.element_size, partition), None)
-                        continue
-                    name = fused_name([m.name for m in run])
+                entry = task_of[t.name]
+                name, members = entry[0], entry[1]
+                if len(members) > 1:
                     key = (step, name)
-                    group_waiting[key] = group_waiting.get(key, len(run)) - 1
-                    if group_waiting[key] == 0:
-                        del group_waiting[key]
-                        numel = sum(m.numel for m in run)
-                        submit(step, name, [m.name for m in run], numel, run[0].element_size,
-                               piece_bounds(numel, run[0].element_size, partition), None)
-                    continue
-                group = plan.group_of(t.name)
-                key = (step, group.name)
-                group_waiting[key] = group_waiting.get(key, len(group.tensors)) - 1
-                if group_waiting[key] == 0:
+                    group_waiting[key] = group_waiting.get(key, len(members)) - 1
+                    if group_waiting[key] > 0:
+                        continue
                     del group_waiting[key]
-                    submit(step, group.name, list(group.tensors), plan.group_numel(group),
-                           plan.group_element_size(group), plan.bounds(group), plan.algorithm_of)
+                submit(step, *entry)
             dispatch(step)
         return fire
 
