@@ -14,10 +14,13 @@ A :class:`Plan` says, for one model on one topology:
 * **order** — ``"fixed"``: every rank issues the pieces in exactly the listed order;
   ``"priority"``: the pieces are the plan's (groups, sizes, algorithms) but the order is
   the runtime's priority order (rank 0 decides as ``dynamic`` does), the listed order
-  being what the simulator predicts it to be. The planner writes ``"priority"`` where
-  its search found no gain over the runtime default: a fixed replay of a predicted order
-  holds every piece behind one that is ready later than the profile said, the priority
-  order does not (docs/planner.md, "What the order costs");
+  being what the simulator predicts it to be; ``"observed"``: the plan's pieces, step 0
+  in the runtime's priority order, and every later step in the order step 0 issued (as
+  ``static`` does: no message per step). The planner writes ``"observed"`` (or what
+  ``PlanSearch.kept_default_order`` says) where its search found no gain over the runtime
+  default: a fixed replay of a *predicted* order holds every piece behind one that is
+  ready later than the profile said; the order the ranks really saw does not
+  (docs/planner.md, "What the order costs");
 * **model** — the fingerprint: each parameter's name, element count, element size,
   and (when the profile recorded them) shape and dtype, so a plan made for another
   model is refused before any step, naming the difference;
@@ -45,8 +48,9 @@ __all__ = ["ALGORITHMS", "ORDERS", "SCHEMA", "Plan", "PlanGroup", "PlanMismatch"
 SCHEMA = "commsched-plan/1"
 #: All-reduce algorithms a planned piece may name (see :mod:`commsched.costmodel.collectives`).
 ALGORITHMS = ("ring", "hierarchical")
-#: How the ranks order a plan's pieces: ``fixed`` (the listed order) or ``priority`` (the runtime's).
-ORDERS = ("fixed", "priority")
+#: How the ranks order a plan's pieces: ``fixed`` (the listed order), ``priority`` (the runtime's,
+#: rank 0 deciding every step) or ``observed`` (step 0 by priority, then step 0's order every step).
+ORDERS = ("fixed", "priority", "observed")
 
 
 class PlanMismatch(CommschedError, ValueError):

@@ -612,9 +612,11 @@ class PlanCutPriority(DispatchPolicy):
     plan, of another size, or missing from a step is refused the same way); which piece goes
     next is ``inner``'s: on engines that do not negotiate order, rank 0 decides by priority and
     publishes (:class:`LeaderPolicy`) and the others follow (:class:`FollowerPolicy`), as in
-    ``dynamic``; with one rank, or in a replay, :class:`PriorityPolicy`. So a plan that only
-    fixes settings runs exactly as ``dynamic`` does with those settings, and a gradient ready
-    later than the profile said holds back nothing behind it (docs/planner.md, "What the order
+    ``dynamic``; with ``order`` ``"observed"``, step 0 so and every later step in step 0's order
+    with no message (:class:`StaticLeader`/:class:`StaticFollower`, as ``static``); with one
+    rank, or in a replay, :class:`PriorityPolicy`. So a plan that only fixes settings runs
+    exactly as ``dynamic`` (or ``static``) does with those settings, and a gradient ready later
+    than the profile said holds back nothing behind it (docs/planner.md, "What the order
     costs").
     """
 
@@ -674,11 +676,12 @@ def replay_policy(ordering: str, credit_bytes: int, plan: CommPlan | None = None
     """The rule of the deciding rank alone, for an offline replay or a simulator: ready order
     for ``fifo``, priority order for ``dynamic``/``static`` (``static`` replays like ``dynamic``),
     ``plan``'s order for ``planned`` (:class:`PlannedPolicy`; ``credit_bytes`` None: the plan's;
-    a plan whose ``order`` is ``"priority"``: its pieces in priority order, :class:`PlanCutPriority`)."""
+    a plan whose ``order`` is ``"priority"`` or ``"observed"``: its pieces in priority order,
+    :class:`PlanCutPriority`)."""
     if ordering == "planned":
         if plan is None:
             raise ValueError("replay_policy('planned', ...) needs plan=<a commsched.plan.Plan>")
-        if plan.order == "priority":
+        if plan.order in ("priority", "observed"):  # one deciding rank: step 0's order is its priority order
             return PlanCutPriority(plan, PriorityPolicy(plan.credit_bytes if credit_bytes is None else credit_bytes))
         return PlannedPolicy(plan, credit_bytes)
     return FifoPolicy(credit_bytes) if ordering == "fifo" else PriorityPolicy(credit_bytes)
@@ -707,10 +710,12 @@ def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_
         plan = load_plan(config)
         if negotiates_order and world_size > 1 and rank != 0:
             return PlannedImmediate(plan)
-        if plan.order == "priority":  # the plan's pieces in dynamic's order: rank 0 decides, the others follow
+        if plan.order in ("priority", "observed"):  # the plan's pieces in dynamic's (or static's) order
             credit = plan.credit_bytes
-            if world_size <= 1 or negotiates_order:
+            if world_size <= 1 or negotiates_order:  # one rank, or Horovod's coordinator matching by name
                 return PlanCutPriority(plan, PriorityPolicy(credit))
+            if plan.order == "observed":  # step 0 as dynamic, then step 0's order with no message per step
+                return PlanCutPriority(plan, StaticLeader(credit) if rank == 0 else StaticFollower(credit, rank))
             return PlanCutPriority(plan, LeaderPolicy(credit) if rank == 0 else FollowerPolicy(credit, rank))
         return PlannedPolicy(plan)
     if world_size <= 1:

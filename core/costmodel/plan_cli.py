@@ -14,6 +14,7 @@ import sys
 
 from commsched.costmodel.cli import add_source_arguments, load_profile, load_topology
 from commsched.costmodel.planner import PLAN_STAGES, PlanResult, PlanSearch, make_plan
+from commsched.plan import ORDERS
 from commsched.costmodel.profile import Profile
 from commsched.costmodel.simulator import SimSettings, simulate
 from commsched.costmodel.topology import Topology
@@ -47,10 +48,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credits-mb", default=None, help="credits to search, MB (default 1,4,16,64)")
     p.add_argument("--fusions-mb", default=None, help="fusion thresholds to search, MB; 0 = none "
                                                       "(default 0,0.25,1,4)")
-    p.add_argument("--kept-default-order", choices=("priority", "fixed"), default="priority",
+    p.add_argument("--kept-default-order", choices=ORDERS, default=PlanSearch.kept_default_order,
                    help="where the plan is the runtime default's settings (no gain past --min-gain): issue its "
-                        "pieces in the runtime's priority order (default; what dynamic runs) or replay the "
-                        "simulated order (fixed)")
+                        "pieces in the order step 0 issued by priority, every step (observed: what static runs; "
+                        "the default), in the runtime's priority order decided every step (priority: what "
+                        "dynamic runs), or as the simulated order (fixed)")
     p.add_argument("--min-gain", type=float, default=0.05,
                    help="keep the runtime default (1 MiB pieces, 4 MiB credit, fusion 256 KiB, ring) unless the "
                         "best plan is predicted this share faster (default 0.05, the model's error; 0 = take any gain)")

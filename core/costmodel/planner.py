@@ -121,13 +121,15 @@ class PlanSearch:
     #: likes: measured on compute-heavy, a plan of 256 KiB pieces under a 1 MiB credit, 2.9 %
     #: ahead of `dynamic` in the model, ran 18 % behind `static` (0.355 against 0.290 s).
     min_gain: float = 0.05
-    #: the ``order`` of the plan when the margin keeps the runtime default: ``"priority"`` (the
-    #: default's pieces in the runtime's priority order: what ``dynamic`` runs, so ``planned`` is
-    #: not slower than what it replaces) or ``"fixed"`` (the simulated EDD order replayed).
+    #: the ``order`` of the plan when the margin keeps the runtime default: ``"observed"`` (the
+    #: default's pieces, step 0 in the runtime's priority order and every later step in step 0's
+    #: order, with no message per step: what ``static`` runs), ``"priority"`` (rank 0 deciding
+    #: every step: what ``dynamic`` runs) or ``"fixed"`` (the simulated EDD order replayed).
     #: Measured on compute-heavy (flat, 2 workers, 1 Gbit/s): the fixed replay of the default
     #: waited 41.7 ms a step in the forward against `dynamic`'s 4.2 ms, since every piece waits
-    #: for the one listed before it when a gradient is ready later than the profile says.
-    kept_default_order: str = "priority"
+    #: for the one listed before it when a gradient is ready later than the profile says; on
+    #: comm-heavy, `static` ran 2-3 % ahead of `dynamic` in every round (docs/planner.md).
+    kept_default_order: str = "observed"
     simulated_steps: int = 4
 
     @classmethod
@@ -568,14 +570,15 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
                                "(PlanSearch.min_gain: the model's error)"})
     # the runtime default kept (by the margin, or the search's own best): nothing in its order to fix
     order = search.kept_default_order if default is not None and best_plan.digest == default[2].digest else "fixed"
-    if order == "priority":
+    if order != "fixed":
         best_plan = dataclasses.replace(best_plan, order=order)
         best_result = simulate(profile, topology, "planned", settings, plan=best_plan)
         best_time = best_result.step_time_s
-        stages.append({"stage": "order: the runtime's priority order", "step_time_s": best_time, "order": order,
-                       "what": "the plan is the runtime default's settings, so its pieces go in the runtime's "
-                               "priority order (rank 0 decides, as in dynamic) instead of a replay of the simulated "
-                               "order (PlanSearch.kept_default_order)"})
+        how = ("rank 0 decides every step, as in dynamic" if order == "priority" else
+               "step 0 by priority, then step 0's order every step with no message, as in static")
+        stages.append({"stage": f"order: the runtime's {order} order", "step_time_s": best_time, "order": order,
+                       "what": "the plan is the runtime default's settings, so its pieces go in the runtime's order "
+                               f"({how}) instead of a replay of the simulated order (PlanSearch.kept_default_order)"})
     for stage, prev in zip(stages[1:], stages[:-1], strict=False):
         stage["gain_s"] = prev["step_time_s"] - stage["step_time_s"]
     predicted = {"step_time_s": best_time, "exposed_comm_s": best_result.exposed_comm_s,

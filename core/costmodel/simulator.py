@@ -65,7 +65,7 @@ from commsched.costmodel.profile import Profile, TensorSpec
 from commsched.costmodel.slack import slack_order
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
-from commsched.plan import Plan, PlannedTensor, fused_name
+from commsched.plan import ORDERS, Plan, PlannedTensor, fused_name
 from commsched.policy import PlannedPolicy, PriorityPolicy, Unstarted, replay_policy
 from commsched.task import Piece, Task
 
@@ -418,11 +418,13 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     ``"priority"`` the plan's groups, piece sizes and algorithms are kept but
     its order is not: ready pieces go by (step, first tensor of the group in forward
     order, index) within the credit, as ``dynamic`` does; ``issue_order`` then is that
-    earliest-due-date order (how the planner makes its greedy plan)."""
+    earliest-due-date order (how the planner makes its greedy plan). ``"observed"`` (step 0's
+    order replayed, as ``static``) is modelled as ``"priority"``, as ``static`` is as ``dynamic``:
+    in a simulated steady state every step sees the same readiness, so step 0's order is it."""
     if plan_order is None:
         plan_order = plan.order if plan is not None else "fixed"
-    if plan_order not in ("fixed", "priority"):
-        raise ValueError(f"plan_order={plan_order!r}: use 'fixed' or 'priority'")
+    if plan_order not in ORDERS:
+        raise ValueError(f"plan_order={plan_order!r}: use one of {', '.join(ORDERS)}")
     settings = settings or SimSettings()
     model = parse_sim_strategy(strategy) if isinstance(strategy, str) else strategy
     algorithm = model.algorithm or settings.algorithm

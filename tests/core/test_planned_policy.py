@@ -15,7 +15,10 @@ from commsched.errors import CommschedTimeout
 from commsched.plan import Plan, PlanGroup, PlanMismatch, PlannedPiece, PlannedTensor, fused_name
 from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import (FollowerPolicy, ImmediatePolicy, LeaderPolicy, PlanCutPriority, PlannedImmediate,
-                              PlannedPolicy, PriorityPolicy, Unstarted, agrees_on_order, make_policy, replay_policy)
+                              PlannedPolicy, PriorityPolicy, StaticFollower, StaticLeader, Unstarted, agrees_on_order,
+                              make_policy, replay_policy)
+from commsched.protocol import Decision, EndOfStep
+from commsched.protocol import Plan as PlanMessage
 from commsched.scheduler import Scheduler
 from commsched.store import InMemoryStore
 from commsched.task import Piece, Task
@@ -185,6 +188,55 @@ def test_make_policy_gives_a_priority_order_plan_dynamics_leader_and_followers()
     assert make_plan(issue="priority").digest != make_plan().digest  # ranks agree on the order rule too
 
 
+def test_make_policy_gives_an_observed_order_plan_statics_leader_and_followers():
+    plan = make_plan(credit=48, issue="observed")
+    config = SchedulerConfig(ordering="planned", plan=plan)
+    leader, follower = (make_policy(config, r, 2, negotiates_order=False) for r in (0, 1))
+    assert isinstance(leader.inner, StaticLeader) and leader.publishes and leader.mode == "leader"
+    assert isinstance(follower.inner, StaticFollower) and follower.reads_decisions
+    assert leader.credit_bytes == follower.credit_bytes == 48
+    assert isinstance(make_policy(config, 0, 1, negotiates_order=False).inner, PriorityPolicy)
+    assert isinstance(make_policy(config, 0, 2, negotiates_order=True).inner, PriorityPolicy)  # Horovod
+    assert isinstance(make_policy(config, 1, 2, negotiates_order=True), PlannedImmediate)
+    replayed = replay_policy("planned", None, plan)  # one deciding rank: step 0's order is its priority order
+    assert isinstance(replayed, PlanCutPriority) and isinstance(replayed.inner, PriorityPolicy)
+    assert len({plan.digest, make_plan(issue="priority").digest, make_plan().digest}) == 3
+
+
+def test_an_observed_order_plan_issues_step0_by_priority_then_replays_it_with_no_message():
+    policy = make_policy(SchedulerConfig(ordering="planned", plan=make_plan(credit=1 << 20, algorithm="hierarchical",
+                                                                              issue="observed")), 0, 2, False)
+    assert policy.bounds_for("a", 12, 4) == [(0, 4), (4, 8), (8, 12)] and policy.algorithm_of("a#2") == "hierarchical"
+    u = Unstarted()
+
+    def ready(step, first):  # the fused group and a, ``first`` submitted first; a has priority 0
+        groups = {SMALL: pieces_of(policy, SMALL, step, priority=1, seq=2 * step),
+                  "a": pieces_of(policy, "a", step, priority=0, seq=2 * step + 1)}
+        for name in (first, "a" if first == SMALL else SMALL):
+            for p in groups[name]:
+                u.add(p)
+                policy.add(p)
+
+    def issue(step):
+        out = []
+        while (p := policy.next(u, step, 0)) is not None:
+            u.started(p)
+            out.append((p.name, policy.issued(p)))
+        return out
+
+    ready(0, SMALL)
+    step0 = issue(1)
+    assert [n for n, _ in step0] == ["a#0", "a#1", "a#2", f"{SMALL}#0"]  # by priority, not as listed
+    assert [m for _, m in step0] == [[Decision(0, n)] for n, _ in step0]  # step 0: rank 0 publishes
+    assert policy.steps_over(u, 1) == [EndOfStep(0), PlanMessage(tuple(n for n, _ in step0))]
+    for step in (1, 2):
+        ready(step, SMALL)
+        assert issue(step + 1) == [(n, []) for n, _ in step0]  # step 0's order, no message
+        policy.step_ended(step, {"a", SMALL})
+    with pytest.raises(OrderAgreementError, match=r"'a' was cut into 2 pieces but the plan has 3"):
+        policy.admit(3, "a", 2)
+
+
 def test_a_plan_without_an_order_field_is_fixed_and_an_unknown_order_is_refused(tmp_path):
     data = make_plan().to_dict()
     assert data["order"] == "fixed"
@@ -208,6 +260,17 @@ def test_ranks_of_an_inprocess_world_run_a_priority_order_plan_in_rank_zeros_ord
     assert seen[0] == seen[1] and len(seen[0]) == 3 * len(plan.pieces)
     assert sorted(name for name, _ in seen[0][:4]) == sorted(plan.piece_names)  # the plan's pieces, any order
     assert mismatches == []
+    assert list(tensors[(0, 2, "a")]) == [3.0] * 12 and list(tensors[(1, 0, "f")]) == [30.0] * 5
+
+
+def test_ranks_of_an_inprocess_world_run_an_observed_order_plan_in_rank_zeros_step0_order():
+    plan = make_plan(credit=24, issue="observed")
+    seen, tensors, stats, modes, mismatches = run_two_ranks(plan, a_first_on=(1,))
+    assert modes == ["leader", "follower"] and mismatches == []
+    n = len(plan.pieces)
+    assert seen[0] == seen[1] and len(seen[0]) == 3 * n
+    assert seen[0][:n] == seen[0][n:2 * n] == seen[0][2 * n:]  # every step in step 0's order
+    assert sorted(name for name, _ in seen[0][:n]) == sorted(plan.piece_names)
     assert list(tensors[(0, 2, "a")]) == [3.0] * 12 and list(tensors[(1, 0, "f")]) == [30.0] * 5
 
 

@@ -206,15 +206,19 @@ def test_a_predicted_gain_inside_the_margin_keeps_the_runtime_default_plan():
     # (the MILP runs under a time limit, so a second search may find a slightly different best:
     # the margin is set well above any gain seen, and the reported gain is checked against it)
     kept = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.45))
-    # the default's pieces, groups and credit, in the runtime's priority order (what dynamic runs)
-    assert kept.plan.order == "priority" and default.order == "fixed"
+    # the default's pieces, groups and credit, in the runtime's order: step 0's, observed (what static runs)
+    assert kept.plan.order == "observed" and default.order == "fixed"
     assert (kept.plan.pieces, kept.plan.groups, kept.plan.credit_bytes) == (default.pieces, default.groups,
                                                                             default.credit_bytes)
     assert kept.step_time_s == pytest.approx(default_result.step_time_s, rel=1e-3)
     assert [s["stage"] for s in kept.stages[-2:]] == ["margin: the runtime default kept",
-                                                      "order: the runtime's priority order"]
+                                                      "order: the runtime's observed order"]
     reported = float(kept.stages[-2]["what"].split("best was ")[1].split(" %")[0])
     assert 0 < reported <= 45
+    by_priority = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.45, kept_default_order="priority"))
+    assert by_priority.plan.order == "priority" and by_priority.plan.pieces == default.pieces
+    assert by_priority.stages[-1]["stage"] == "order: the runtime's priority order"
+    assert by_priority.step_time_s == pytest.approx(kept.step_time_s, rel=1e-9)  # the model: one steady order
     replayed = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.45, kept_default_order="fixed"))
     assert replayed.plan.digest == default.digest and replayed.stages[-1]["stage"].startswith("margin")
     below = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.001))

@@ -110,7 +110,7 @@ def test_plan(model, sc: dict, rank: int, world: int) -> Plan:
     group cut at its own piece size, pieces interleaved (a fused group's pieces out of index order),
     ``algorithm`` for every piece on ``nodes`` x ``world // nodes``. ``sc['plan']``: ``"fused"``;
     ``"other_model"`` (made for a model whose layers.2.weight is 32x31); ``"differs_on_rank1"``
-    (rank 1 has another credit). ``sc['plan_order']``: the plan's ``order`` (fixed or priority)."""
+    (rank 1 has another credit). ``sc['plan_order']``: the plan's ``order`` (fixed, priority or observed)."""
     params = dict(model.named_parameters())
     entries = [PlannedTensor(n, p.numel(), p.element_size(), tuple(p.shape), str(p.dtype).removeprefix("torch."))
                for n, p in params.items()]

@@ -125,14 +125,18 @@ def test_a_rank_that_dies_mid_training_makes_the_others_fail_clearly_not_hang(ra
 # ------------------------------------------------------------------ ordering="planned"
 def check_planned_order(results: list[list[dict]]) -> None:
     """Every rank issued exactly the plan's piece order, every step (the scheduler's per-step record);
-    a plan of ``order`` priority: the plan's pieces, in one order on every rank (rank 0's)."""
+    a plan of ``order`` priority: the plan's pieces, in one order on every rank (rank 0's); of order
+    observed, besides, every step in the first step's order."""
     for rank_results in results:
         for i, r in enumerate(rank_results):
             assert r["order"], r["scenario"]
+            first = next(iter(r["order"].values()))["order"]
             for step, seen in r["order"].items():
-                if r["scenario"].get("plan_order") == "priority":
+                if r["scenario"].get("plan_order") in ("priority", "observed"):
                     assert sorted(seen["order"]) == sorted(r["plan_order"]), f"rank {r['rank']} step {step}"
                     assert seen["order"] == results[0][i]["order"][step]["order"], f"rank {r['rank']} step {step}"
+                    if r["scenario"]["plan_order"] == "observed":
+                        assert seen["order"] == first, f"rank {r['rank']} step {step}"
                 else:
                     assert seen["order"] == r["plan_order"], f"rank {r['rank']} step {step} {r['scenario']}"
 
@@ -142,7 +146,8 @@ def test_planned_with_fused_groups_and_per_group_piece_sizes_is_bitwise_on_two_r
     items = [{"plan": "fused", "optimizer": "sgd_momentum", "steps": 5},
              {"plan": "fused", "optimizer": "adam", "cross": 0, "steps": 4},
              {"plan": "fused", "optimizer": "adam", "accum": 2, "steps": 3},
-             {"plan": "fused", "optimizer": "adam", "steps": 4, "plan_order": "priority", "delay": 0.002}]
+             {"plan": "fused", "optimizer": "adam", "steps": 4, "plan_order": "priority", "delay": 0.002},
+             {"plan": "fused", "optimizer": "adam", "steps": 4, "plan_order": "observed", "delay": 0.002}]
     results = ranks(2, *scenarios(*items), timeout=130)
     check_all(results, exact=True)
     check_planned_order(results)
@@ -150,9 +155,10 @@ def test_planned_with_fused_groups_and_per_group_piece_sizes_is_bitwise_on_two_r
         assert r["stats"]["ordering"] == "planned"
         assert r["plan_order"][0] == "fused[layers.4.weight..layers.4.bias](2)#2"  # out of index order
     # order priority: the plan's cut, rank 0 deciding by priority (the head's pieces in index order)
-    for seen in results[0][3]["order"].values():
-        head = [n for n in seen["order"] if n.startswith("fused[layers.4")]
-        assert head == sorted(head, key=lambda n: int(n.rsplit("#", 1)[1])), head
+    for i in (3, 4):
+        for seen in results[0][i]["order"].values():
+            head = [n for n in seen["order"] if n.startswith("fused[layers.4")]
+            assert head == sorted(head, key=lambda n: int(n.rsplit("#", 1)[1])), head
     assert results[0][0]["stats"]["plan"]["fused_groups"] == 2
 
 
