@@ -515,7 +515,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             planned = self.config.ordering == "planned"
             if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order) or (
                     (planned or self._adaptive) and self.world_size > 1 and not self._backend.negotiates_order):
-                store = default_store()  # planned: the plan check and aborts travel (order priority: decisions too)
+                store = default_store()  # planned: plan check, aborts (order priority/observed: decisions)
             self._store = store
             prefix = self._prefix = f"commsched/opt{next(_instances)}"
             if planned:
