@@ -340,7 +340,17 @@ def _lost_worker_job(timeout_s: float):
 def scenario_die() -> None:
     step = _lost_worker_job(timeout_s=10)
     step(*data(0))
+    # Rank 1 leaves only once rank 0 has finished step 0 too: rank 0 may still be receiving that
+    # step's last buffer from rank 1 (a RecvBuf served by rank 1), and a death then fails step 0,
+    # before the loop below that is the survivor's test (seen once in a clean-clone run).
+    step0_done = OUT.replace(f".{RANK}.json", ".0.step0")
+    if RANK == 0:
+        with open(step0_done, "w") as fh:
+            fh.write("done")
     if RANK == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(step0_done) and time.monotonic() < deadline:
+            time.sleep(0.05)
         result["left"] = True
         write()
         if os.environ.get("COMMSCHED_TEST_HANG"):
