@@ -14,10 +14,10 @@ import sys
 
 from commsched.costmodel.cli import add_source_arguments, load_profile, load_topology
 from commsched.costmodel.planner import PLAN_STAGES, PlanResult, PlanSearch, make_plan
-from commsched.plan import ORDERS
 from commsched.costmodel.profile import Profile
 from commsched.costmodel.simulator import SimSettings, simulate
 from commsched.costmodel.topology import Topology
+from commsched.plan import ORDERS
 from commsched.progress import Progress
 
 __all__ = ["add_plan_arguments", "plan_markdown", "run_plan"]
