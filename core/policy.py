@@ -714,9 +714,9 @@ def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_
             credit = plan.credit_bytes
             if world_size <= 1 or negotiates_order:  # one rank, or Horovod's coordinator matching by name
                 return PlanCutPriority(plan, PriorityPolicy(credit))
-            if plan.order == "observed":  # step 0 as dynamic, then step 0's order with no message per step
-                return PlanCutPriority(plan, StaticLeader(credit) if rank == 0 else StaticFollower(credit, rank))
-            return PlanCutPriority(plan, LeaderPolicy(credit) if rank == 0 else FollowerPolicy(credit, rank))
+            # observed: step 0 as dynamic, then step 0's order with no message per step (static's roles)
+            roles = (StaticLeader, StaticFollower) if plan.order == "observed" else (LeaderPolicy, FollowerPolicy)
+            return PlanCutPriority(plan, roles[0](credit) if rank == 0 else roles[1](credit, rank))
         return PlannedPolicy(plan)
     if world_size <= 1:
         return PriorityPolicy(credit)
