@@ -21,7 +21,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "load_json", "read_json", "write_json"]
+__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "load_json", "read_json", "steal_share",
+           "write_json"]
 
 SCHEMA = "commsched-profile/1"
 
@@ -97,8 +98,12 @@ class Profile:
     copies share the cores with the model; measured: the same all-reduce under compute /
     alone; 1 where the source did not measure it, e.g. the zoo's GPUs).
     ``step_overhead_s``: per step, outside the layers (loss, data).
-    ``per_piece_cpu_s``: the scheduler's own CPU per piece (``python -m
-    commsched.bench.overhead``). ``optimizer_step_s``: the wrapped optimizer's own
+    ``per_piece_cpu_s``: the scheduler's own CPU per piece on the piece's own path, time the
+    network waits for it (``python -m commsched.bench.overhead``: issuing one collective).
+    ``per_piece_steal_s``: compute time a rank loses per piece to commsched's threads, where
+    they share the cores the model computes on (measured by ``commsched profile``: their CPU
+    per piece in a short ``dynamic`` run, times :func:`steal_share`; 0 where not measured, and
+    on GPUs). ``optimizer_step_s``: the wrapped optimizer's own
     ``step()`` over all parameters at once, as DDP, Horovod and the synchronous path
     call it (``None``: the sum of the layers' ``apply_s``, the per-layer update that
     cross-iteration runs in the next forward).
@@ -113,6 +118,7 @@ class Profile:
     optimizer_step_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     comm_contention: float = 1.0
+    per_piece_steal_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -131,6 +137,7 @@ class Profile:
                              "(communication under compute / alone)")
         _check_time("profile", "step_overhead_s", self.step_overhead_s)
         _check_time("profile", "per_piece_cpu_s", self.per_piece_cpu_s)
+        _check_time("profile", "per_piece_steal_s", self.per_piece_steal_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
 
@@ -188,7 +195,7 @@ class Profile:
                        contention=self.contention, step_overhead_s=self.step_overhead_s * compute,
                        per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta),
                        optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
-                       comm_contention=self.comm_contention)
+                       comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s)
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -216,7 +223,8 @@ class Profile:
                        comm_contention=float(data.get("comm_contention", 1.0)),
                        step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                        per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})),
-                       optimizer_step_s=data.get("optimizer_step_s"))
+                       optimizer_step_s=data.get("optimizer_step_s"),
+                       per_piece_steal_s=float(data.get("per_piece_steal_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None
@@ -224,6 +232,19 @@ class Profile:
     @classmethod
     def from_json(cls, path: str) -> "Profile":
         return load_json(path, cls.from_dict)
+
+
+def steal_share(ranks: int, cores: int) -> float:
+    """How much of commsched's thread CPU a rank's compute pays, with ``ranks`` ranks on a machine
+    of ``cores`` cores. Every core busy with a rank's compute (``ranks >= cores``): all of it,
+    and ``ranks / cores`` times over (each core is shared by that many ranks, so a CPU second
+    taken from it stretches each rank's compute by that factor, as their compute measured side
+    by side already is). Two or more cores per rank: none (the threads run beside the compute).
+    In between: linear."""
+    if ranks < 1 or cores < 1:
+        raise ValueError(f"steal_share needs ranks >= 1 and cores >= 1, got ranks={ranks}, cores={cores}")
+    per_core = ranks / cores
+    return per_core if per_core >= 1.0 else max(0.0, 2.0 * per_core - 1.0)
 
 
 def check_schema(data: Any, schema: str, kind: str, how: str) -> None:

@@ -10,6 +10,9 @@ a second. While a collective is on the network, compute runs ``profile.contentio
 times slower, and while compute runs, what is left of each collective in flight runs
 ``profile.comm_contention`` times slower (the two share the machine's CPUs; both
 measured by the profiler from one all-reduce beside one step; 1 for the zoo's GPUs).
+Each commsched piece also takes ``profile.per_piece_steal_s`` from the compute lane when
+it is issued, if the lane is computing: the CPU commsched's own threads spend per piece
+where they share the model's cores (measured by ``commsched profile``; 0 on GPUs).
 
 The commsched strategies (``fifo``, ``dynamic``, ``static``) are not a second
 implementation: their pieces are the scheduler's own :class:`~commsched.task.Task`
@@ -226,6 +229,7 @@ class _Sim:
         self.lane: list[tuple[str, str, float, Callable[[], bool], Callable[[], None] | None]] = []
         self.lane_pos = 0
         self.task_left: float | None = None  # work left of the running task
+        self.debt = 0.0  # scheduler CPU taken between two tasks, paid by the next one (steal)
         self.task_start = 0.0
         self.waiting_since: float | None = None
         self.waits: list[tuple[float, float]] = []
@@ -290,6 +294,18 @@ class _Sim:
         heapq.heappush(self.timers, (self.now + delay, self._timer_seq, fn))
 
     # compute
+    def steal(self, seconds: float) -> None:
+        """The scheduler's threads take ``seconds`` of CPU from the compute lane now: the running
+        task ends that much later. Between two tasks (a layer's gradients are issued as its
+        backward ends) the next task pays it; a lane that then waits on the network loses
+        nothing (the threads ran on the core it left free)."""
+        if seconds <= 0.0:
+            return
+        if self.task_left is not None:
+            self.task_left += seconds * self.rate()
+        else:
+            self.debt += seconds
+
     def rate(self) -> float:
         """Work seconds done per simulated second: slower while the network is busy."""
         return 1.0 / self.profile.contention if self.net_busy else 1.0
@@ -339,6 +355,7 @@ class _Sim:
             if not ready():
                 if self.waiting_since is None:
                     self.waiting_since = self.now
+                self.debt = 0.0  # the lane waits: the core is free for the scheduler's threads
                 return
             if self.waiting_since is not None:
                 if self.now > self.waiting_since:
@@ -357,6 +374,9 @@ class _Sim:
             self.task_start = self.now
             if work <= 0:
                 self._finish_task()
+                continue
+            self.task_left += self.debt * self.rate()
+            self.debt = 0.0
 
     def _finish_task(self) -> None:
         kind, label, work, _, on_done = self.lane[self.lane_pos]
@@ -516,6 +536,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                         reduced(piece.task.step, lj)
                 dispatch(piece.task.step)
             piece_algorithm = piece.algorithm if plan is not None else model.algorithm
+            sim.steal(profile.per_piece_steal_s)
             send_piece(piece.nbytes, piece.name, done, piece_algorithm)
 
     def send_piece(nbytes: int, name: str, done: Callable[[], None], piece_algorithm: str | None) -> None:

@@ -35,6 +35,7 @@ What a layer is, and how its times are cut (the same in all three):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, steal_share
 
 __all__ = ["StepRecorder", "add_arguments", "cache_path", "load_or_profile", "machine_fingerprint",
            "profile_model", "profile_workload", "run"]
@@ -62,8 +63,11 @@ log = logging.getLogger(__name__)
 RECORDED_STEPS = 8
 #: Default cache of workload profiles.
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
-#: Bump when what a cached profile means changes: older cache entries are then ignored.
-CACHE_VERSION = 1
+#: Bump when what a cached profile means changes: older cache entries are then ignored
+#: (2: ``per_piece_steal_s`` measured).
+CACHE_VERSION = 2
+#: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
+SCHED_CPU_STEPS = 5
 
 
 # ----------------------------------------------------------------------------- recording
@@ -541,8 +545,8 @@ def load_or_profile(workload: str, *, batch_size: int | None = None, workers: in
 
     With ``cache`` a profile measured before on this machine with the same workload,
     batch size and cluster flags is returned as stored; otherwise it is measured
-    (:func:`profile_workload`, about 4·steps + 2·steps steps of the workload plus
-    start-up) and stored. Raises ``ValueError`` on bad flags before anything runs,
+    (:func:`profile_workload`, about 4·steps + 2·steps steps of the workload, 7 of
+    ``dynamic``, plus start-up) and stored. Raises ``ValueError`` on bad flags before anything runs,
     ``RuntimeError`` when the measurement failed (its logs are named).
     """
     from commsched.plugins.torch.bench.workloads import resolve_workload
@@ -591,6 +595,8 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
     under the all-reduce over compute, corrected when the all-reduce ended before
     the compute did (``meta['contention']`` shows how); ``comm_contention`` the same
     all-reduce under that compute over alone (:func:`commsched.bench.report.comm_contention`).
+    ``per_piece_steal_s``: commsched's thread CPU per piece in a short ``dynamic`` run on every
+    rank (:func:`_sched_cpu_per_piece`), the slowest rank's, times the machine's share (:func:`_steal`).
     """
     import shutil
 
@@ -626,13 +632,29 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
     }
     local = Profile.from_dict(r0)  # rank 0's layers, scaled to its own medians; rescaled to the bench's
     meta["local_compute_s"] = local.compute_s
+    steal, meta["scheduler_cpu"] = _steal(phase.ranks, workers)
     prof = _build([layer.name for layer in local.layers], [layer.tensors for layer in local.layers],
                   local.meta["unscaled"], source=f"profile:{workload}", batch_size=batch_size,
                   forward_s=baseline["forward_s"], backward_s=baseline["backward_s"],
                   optimizer_s=baseline["optimizer_s"], contention=contention,
                   comm_contention=baseline.get("comm_contention") or 1.0, meta=meta)
+    prof = dataclasses.replace(prof, per_piece_steal_s=steal)
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof
+
+
+def _steal(ranks: list[dict[str, Any]], workers: int) -> tuple[float, dict[str, Any]]:
+    """``per_piece_steal_s`` from the ranks' :func:`_sched_cpu_per_piece`: the largest CPU per piece
+    (the slowest rank sets the step) × :func:`~commsched.costmodel.profile.steal_share` of the
+    emulated cluster, whose ranks all run on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_piece = [r["sched_cpu"]["per_piece_s"] for r in ranks if (r.get("sched_cpu") or {}).get("per_piece_s")]
+    cpu = max(per_piece) if per_piece else 0.0
+    share = steal_share(workers, cores)
+    return cpu * share, {"per_piece_cpu_s": cpu, "per_rank": [r.get("sched_cpu") for r in ranks], "cores": cores,
+                         "ranks_on_machine": workers, "share": share,
+                         "how": "CPU of commsched's threads per piece in a short dynamic run (schedstat), the "
+                                "slowest rank; times steal_share(ranks on this machine, cores)"}
 
 
 def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -655,6 +677,44 @@ def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 # -------------------------------------------------------------------- the worker
+def _sched_cpu_per_piece(spec: dict, rank: int, progress: Any) -> dict[str, Any]:
+    """CPU seconds of this rank's commsched threads (dispatch, completion, publish/order) per piece
+    over :data:`SCHED_CPU_STEPS` steps of ``dynamic`` with the run's piece size and credit, as the
+    bench measures its ``sched CPU`` column (``/proc/self/task/<tid>/schedstat``)."""
+    from commsched.bench.spec import parse_strategies
+    from commsched.plugins.torch.bench import worker
+    from commsched.plugins.torch.bench.strategies import make_strategy
+    from commsched.plugins.torch.bench.workloads import get_workload
+
+    workload = get_workload(spec["workload"])
+    torch.manual_seed(spec["seed"])
+    model = workload.build()
+    x, y = workload.make_batch(spec["batch_size"], torch.Generator().manual_seed(spec["seed"] + 1 + rank))
+    (dynamic,) = parse_strategies("dynamic")
+    strat = make_strategy(dynamic, model, worker._opt_factory(workload), run_spec=spec, rank=rank, timeline=None)
+
+    def step() -> None:
+        strat.zero_grad()
+        workload.loss(strat.model(x), y).backward()
+        strat.step()
+
+    try:
+        for _ in range(2):
+            step()
+        strat.synchronize()
+        pieces0, cpu0 = worker._pieces_started(strat), worker.thread_cpu_s()
+        for i in range(SCHED_CPU_STEPS):
+            step()
+            progress("scheduler CPU", i + 1, SCHED_CPU_STEPS)
+        strat.synchronize()
+        by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
+        pieces = (worker._pieces_started(strat) or 0) - (pieces0 or 0)
+    finally:
+        strat.close()
+    return {"cpu_s": sum(by_thread.values()), "by_thread_s": by_thread, "pieces": pieces,
+            "per_piece_s": sum(by_thread.values()) / pieces if pieces > 0 else None, "steps": SCHED_CPU_STEPS}
+
+
 def _worker_main(argv: list[str] | None = None) -> int:
     """One rank of a profile run (started by :func:`profile_workload` through the bench's runner)."""
     import torch.distributed as dist
@@ -677,6 +737,8 @@ def _worker_main(argv: list[str] | None = None) -> int:
                              barrier=dist.barrier)
         result["profile"] = prof.to_dict()
         progress("layers", 1, 1)
+        dist.barrier()
+        result["sched_cpu"] = _sched_cpu_per_piece(spec, rank, progress)
         dist.barrier()
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
         import traceback

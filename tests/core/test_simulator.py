@@ -1,8 +1,10 @@
 """The simulator against closed forms: no overlap = compute + comm, the physics bound,
-earliest-due-date order on one link, DDP buckets, and the shape of its report."""
+earliest-due-date order on one link, DDP buckets, the scheduler's CPU taken from compute,
+and the shape of its report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.costmodel.collectives import allreduce_s
-from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, steal_share
 from commsched.costmodel.simulator import SimSettings, parse_sim_strategy, simulate
 from commsched.costmodel.topology import Link, Topology
 
@@ -184,3 +186,50 @@ def test_a_70b_decoder_on_128_ranks_is_bound_by_its_gradient_bytes():
     # a flat ring moves 2(n-1)/n of the gradient through every rank's slowest link: seconds, not ms
     floor = 2 * 127 / 128 * prof.grad_bytes / topo.inter.bandwidth
     assert result.step_time_s >= floor
+
+
+@pytest.mark.parametrize("name", ["fifo", "dynamic", "static"])
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_each_piece_issued_between_two_layers_of_backward_costs_the_compute_lane_its_steal(name, k):
+    # k layers, one piece each, a network so fast that no wait happens: layer i's piece is issued
+    # as its backward ends, and the next layer's backward pays the scheduler's CPU. The last
+    # (layer 0's) is issued when the lane waits for it to come back, on a free core: no cost.
+    steal = 1e-3
+    prof, topo = profile_of([0.5] * k), flat(bandwidth=1e12)
+    base = simulate(prof, topo, name).step_time_s
+    paid = simulate(dataclasses.replace(prof, per_piece_steal_s=steal), topo, name).step_time_s
+    assert paid - base == pytest.approx((k - 1) * steal, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["ddp", "horovod", "allreduce"])
+def test_the_scheduler_steal_is_commsched_s_own_and_costs_the_peers_nothing(name):
+    prof, topo = profile_of([0.5, 2, 4]), flat()
+    base = simulate(prof, topo, name).step_time_s
+    assert simulate(dataclasses.replace(prof, per_piece_steal_s=1e-3), topo, name).step_time_s == base
+
+
+def test_a_comm_bound_step_pays_no_steal_for_pieces_issued_while_compute_waits():
+    # one layer: its pieces are issued when backward ended and the lane waits for them
+    prof, topo = profile_of([8]), flat(bandwidth=125e6)
+    settings = SimSettings(partition_bytes=MB, credit_bytes=2 * MB)
+    base = simulate(prof, topo, "dynamic", settings).step_time_s
+    assert simulate(dataclasses.replace(prof, per_piece_steal_s=1e-3), topo, "dynamic",
+                    settings).step_time_s == pytest.approx(base, rel=1e-12)
+
+
+@pytest.mark.parametrize("ranks,cores,share", [(2, 2, 1.0), (4, 2, 2.0), (1, 2, 0.0), (8, 16, 0.0), (3, 4, 0.5),
+                                               (1, 1, 1.0)])
+def test_steal_share_is_ranks_per_core_when_cores_are_full_and_none_with_two_cores_per_rank(ranks, cores, share):
+    assert steal_share(ranks, cores) == pytest.approx(share)
+
+
+def test_steal_is_checked_round_trips_and_defaults_to_zero():
+    with pytest.raises(ValueError, match="per_piece_steal_s"):
+        dataclasses.replace(profile_of([1.0]), per_piece_steal_s=-1e-6)
+    with pytest.raises(ValueError, match="ranks >= 1"):
+        steal_share(0, 2)
+    data = dataclasses.replace(profile_of([1.0]), per_piece_steal_s=2.5e-4).to_dict()
+    assert Profile.from_dict(data).per_piece_steal_s == 2.5e-4
+    assert Profile.from_dict(data).scaled(compute=2.0).per_piece_steal_s == 2.5e-4
+    del data["per_piece_steal_s"]  # a profile written before the field existed
+    assert Profile.from_dict(data).per_piece_steal_s == 0.0

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from commsched.costmodel.profile import Profile
-from commsched.plugins.torch.profiler import _contention, load_or_profile, profile_model
+from commsched.costmodel.profile import Profile, steal_share
+from commsched.plugins.torch.profiler import SCHED_CPU_STEPS, _contention, _steal, load_or_profile, profile_model
 
 FWD_SLEEP = 0.1
 BWD_SLEEP = 0.08
@@ -163,6 +163,15 @@ def test_contention_is_corrected_when_the_all_reduce_ends_before_the_compute():
         == pytest.approx(1.3)
 
 
+def test_the_steal_is_the_slowest_rank_s_scheduler_cpu_per_piece_times_the_machine_s_share(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    ranks = [{"sched_cpu": {"per_piece_s": 2e-4}}, {"sched_cpu": {"per_piece_s": 3e-4}}, {"sched_cpu": None},
+             {"sched_cpu": {"per_piece_s": None}}]
+    steal, how = _steal(ranks, 4)
+    assert steal == pytest.approx(3e-4 * 2.0) and how["share"] == 2.0 and how["cores"] == 2
+    assert _steal([{}], 2)[0] == 0.0  # nothing measured: no steal
+
+
 def test_bad_flags_are_refused_naming_the_flag_before_anything_runs(capsys):
     from commsched.cli import main
     with pytest.raises(SystemExit) as exc:
@@ -183,6 +192,12 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     total = prof.forward_s + prof.backward_s + prof.step_overhead_s + prof.meta["optimizer_step_s"]
     assert total == pytest.approx(base["compute_s"], rel=1e-9)
     assert prof.contention >= 1.0 and prof.meta["workers"] == 2
+    # commsched's own threads, measured in a short dynamic run on every rank
+    sched = prof.meta["scheduler_cpu"]
+    assert [r["steps"] for r in sched["per_rank"]] == [SCHED_CPU_STEPS] * 2
+    assert all(r["pieces"] > 0 and r["cpu_s"] > 0 for r in sched["per_rank"])
+    assert sched["per_piece_cpu_s"] == max(r["per_piece_s"] for r in sched["per_rank"])
+    assert prof.per_piece_steal_s == pytest.approx(sched["per_piece_cpu_s"] * steal_share(2, sched["cores"]))
     cached = list(tmp_path.glob("tiny-*.json"))
     assert len(cached) == 1
     t0 = time.perf_counter()
