@@ -328,6 +328,10 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated --out-dir of earlier runs of the same grid: their bench reports are read "
                         "beside this run's, for how far two measurements of one configuration differ (the floor "
                         "under any model's error) and the errors against the median of all runs")
+    p.add_argument("--rescale-compute", action="store_true",
+                   help="scale each cached profile's compute to the compute_s the bench measured at its start "
+                        "(its baseline), so that a machine that ran faster or slower since the profile does not "
+                        "count as model error; the drift is reported either way (profile_drift)")
     p.add_argument("--json", required=True, help="write the validation summary here")
 
 
@@ -395,7 +399,9 @@ def run_validate(args: argparse.Namespace) -> int:
             bar.update(i)
             if row["status"] == "ok":
                 errors = ", ".join(f"{s} {e:+.1%}" for s, e in row["error"].items())
-                bar.note(f"{head}: errors {errors}; tau {row['kendall_tau']:.2f}")
+                drift = row["profile_drift"]
+                drift = "" if drift is None else f"; bench compute {drift:+.1%} against the profile"
+                bar.note(f"{head}: errors {errors}; tau {row['kendall_tau']:.2f}{drift}")
             else:
                 bar.note(f"{head}: {row['status']} (exit {row['returncode']}; log {row['log']})")
     ok = [r for r in rows if r["status"] == "ok"]
@@ -437,7 +443,9 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
         if done.returncode != 0 or not os.path.exists(bench_json):
             return {**cfg, "status": "bench failed", "returncode": done.returncode, "log": bench_log}
     with open(bench_json) as fh:
-        results = [r for r in json.load(fh)["results"] if r["status"] == "ok"]
+        report = json.load(fh)
+    results = [r for r in report["results"] if r["status"] == "ok"]
+    bench_compute = (report.get("baseline") or {}).get("compute_s")
     measured = {r["strategy"]: r["step_time_s"] for r in results}
     others = []  # the same configuration measured by earlier runs (--other-runs)
     for other_dir in [d.strip() for d in args.other_runs.split(",") if d.strip()]:
@@ -461,6 +469,10 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     stage("profile")
     profile = load_or_profile(cfg["workload"], workers=cfg["workers"], nodes=cfg["nodes"],
                               bandwidth=cfg["bandwidth"])
+    # the machine's speed when the bench ran against when the profile was measured
+    drift = bench_compute / profile.compute_s - 1.0 if bench_compute and profile.compute_s > 0 else None
+    if getattr(args, "rescale_compute", False) and drift is not None:
+        profile = profile.scaled(compute=1.0 + drift)
     stage("simulate")
     names = [s for s in strategies if s in measured]
     predicted = {s: simulate(profile, topology, s, settings).step_time_s for s in names}
@@ -482,6 +494,8 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     return {**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured, **row_extra,
             "predicted_s": predicted, "error": errors, "measured_iqr_relative": iqr,
             "predicted_within_measured_iqr": within, "profile_comm_contention": profile.comm_contention,
+            "profile_drift": drift, "compute_rescaled": bool(getattr(args, "rescale_compute", False)
+                                                             and drift is not None),
             "profile_contention": profile.contention,
             "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])}
 

@@ -102,11 +102,35 @@ def test_the_seed_table_shows_seconds_for_70b_on_100gbit_and_what_its_claim_woul
     assert "185.0 ms" in out and "1/" in out and "consistent: gpt-7b" in out
 
 
-def _bench(directory, tag, times, spread=0.05):
+def _bench(directory, tag, times, spread=0.05, compute_s=None):
     directory.mkdir(exist_ok=True)
     results = [{"strategy": s, "status": "ok", "step_time_s": t, "step_time_p25_s": t * (1 - spread),
                 "step_time_p75_s": t * (1 + spread)} for s, t in times.items()]
-    (directory / f"bench-{tag}.json").write_text(json.dumps({"results": results}))
+    report = {"results": results, **({"baseline": {"compute_s": compute_s}} if compute_s else {})}
+    (directory / f"bench-{tag}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.parametrize("rescale", [False, True], ids=["as_profiled", "rescaled"])
+def test_validate_reports_the_machine_s_drift_since_the_profile_and_can_scale_the_profile_to_it(tmp_path, rescale):
+    import argparse
+
+    from commsched.costmodel.cli import _validate_one
+    from commsched.costmodel.simulator import SimSettings, simulate
+    prof = Profile.from_json(_profile(tmp_path))
+    topo = Topology.emulated(2, None, "1gbit")
+    # the bench's own baseline measured the compute 20 % slower than the profile did
+    _bench(tmp_path / "now", "w-1gbit-2x2", {"ddp": 1.0, "dynamic": 1.0}, compute_s=prof.compute_s * 1.2)
+    args = argparse.Namespace(out_dir=str(tmp_path / "now"), reuse=True, topology_source="emulated",
+                              other_runs="", steps=4, warmup=1, partition_mb=1.0, credit_mb=4.0,
+                              rescale_compute=rescale)
+    row = _validate_one(args, {"workload": "w", "bandwidth": "1gbit", "workers": 2, "nodes": None}, "w-1gbit-2x2",
+                        ["ddp", "dynamic"], SimSettings(), None, lambda *a, **k: prof, lambda what: None)
+    assert row["profile_drift"] == pytest.approx(0.2) and row["compute_rescaled"] is rescale
+    used = prof.scaled(compute=1.2) if rescale else prof
+    for s in ("ddp", "dynamic"):
+        assert row["predicted_s"][s] == pytest.approx(simulate(used, topo, s, SimSettings()).step_time_s, rel=1e-12)
+    if rescale:  # a slower machine: a slower prediction
+        assert row["predicted_s"]["ddp"] > simulate(prof, topo, "ddp", SimSettings()).step_time_s
 
 
 def test_validate_reads_the_measured_spread_and_other_runs_of_the_same_configuration(tmp_path):
