@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -118,8 +119,9 @@ def test_validate_reports_the_machine_s_drift_since_the_profile_and_can_scale_th
     from commsched.costmodel.simulator import SimSettings, simulate
     prof = Profile.from_json(_profile(tmp_path))
     topo = Topology.emulated(2, None, "1gbit")
-    # the bench's own baseline measured the compute 20 % slower than the profile did
-    _bench(tmp_path / "now", "w-1gbit-2x2", {"ddp": 1.0, "dynamic": 1.0}, compute_s=prof.compute_s * 1.2)
+    # the bench's own baseline measured the compute 20 % slower than the profile's did
+    prof = dataclasses.replace(prof, meta={**prof.meta, "bench_baseline": {"compute_s": 0.5}})
+    _bench(tmp_path / "now", "w-1gbit-2x2", {"ddp": 1.0, "dynamic": 1.0}, compute_s=0.6)
     args = argparse.Namespace(out_dir=str(tmp_path / "now"), reuse=True, topology_source="emulated",
                               other_runs="", steps=4, warmup=1, partition_mb=1.0, credit_mb=4.0,
                               rescale_compute=rescale)
@@ -131,6 +133,11 @@ def test_validate_reports_the_machine_s_drift_since_the_profile_and_can_scale_th
         assert row["predicted_s"][s] == pytest.approx(simulate(used, topo, s, SimSettings()).step_time_s, rel=1e-12)
     if rescale:  # a slower machine: a slower prediction
         assert row["predicted_s"]["ddp"] > simulate(prof, topo, "ddp", SimSettings()).step_time_s
+    # a profile without the bench's baseline (opt.profile()): its layers and optimizer, no per-step overhead
+    bare = dataclasses.replace(prof, meta={}, step_overhead_s=0.01)
+    row = _validate_one(args, {"workload": "w", "bandwidth": "1gbit", "workers": 2, "nodes": None}, "w-1gbit-2x2",
+                        ["ddp"], SimSettings(), None, lambda *a, **k: bare, lambda what: None)
+    assert row["profile_drift"] == pytest.approx(0.6 / (bare.compute_s - 0.01) - 1)
 
 
 def test_validate_reads_the_measured_spread_and_other_runs_of_the_same_configuration(tmp_path):
