@@ -330,8 +330,8 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
                         "under any model's error) and the errors against the median of all runs")
     p.add_argument("--rescale-compute", action="store_true",
                    help="scale each cached profile's compute to the compute_s the bench measured at its start "
-                        "(its baseline), so that a machine that ran faster or slower since the profile does not "
-                        "count as model error; the drift is reported either way (profile_drift)")
+                        "(its baseline); the drift is reported either way (profile_drift). Off by default: on "
+                        "the 2026-12-03 grids it made the errors larger (docs/simulator.md)")
     p.add_argument("--json", required=True, help="write the validation summary here")
 
 

@@ -832,6 +832,11 @@ def format_profile(prof: Profile) -> str:
         rows.append(f"bench baseline: compute {base['compute_s'] * 1e3:.1f} ms (optimizer.step "
                     f"{base['optimizer_s'] * 1e3:.1f} ms), comm {base['comm_s'] * 1e3:.1f} ms, compute under "
                     f"comm {base['compute_under_comm_s'] * 1e3:.1f} ms")
+    sched = prof.meta.get("scheduler_cpu")
+    if sched:
+        rows.append(f"commsched's threads: {sched['per_piece_cpu_s'] * 1e6:.0f} us of CPU a piece; the compute pays "
+                    f"{prof.per_piece_steal_s * 1e6:.0f} us a piece ({sched['ranks_on_machine']} ranks on "
+                    f"{sched['cores']} cores, share {sched['share']:.2f})")
     return "\n".join(rows)
 
 
