@@ -473,7 +473,8 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     # baseline (compute alone, all ranks at once), then and now
     then = (profile.meta.get("bench_baseline") or {}).get("compute_s") or profile.compute_s - profile.step_overhead_s
     drift = bench_compute / then - 1.0 if bench_compute and then > 0 else None
-    if getattr(args, "rescale_compute", False) and drift is not None:
+    rescaled = bool(getattr(args, "rescale_compute", False)) and drift is not None
+    if rescaled:
         profile = profile.scaled(compute=1.0 + drift)
     stage("simulate")
     names = [s for s in strategies if s in measured]
@@ -496,8 +497,7 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     return {**cfg, "status": "ok", "topology": topology.describe(), "measured_s": measured, **row_extra,
             "predicted_s": predicted, "error": errors, "measured_iqr_relative": iqr,
             "predicted_within_measured_iqr": within, "profile_comm_contention": profile.comm_contention,
-            "profile_drift": drift, "compute_rescaled": bool(getattr(args, "rescale_compute", False)
-                                                             and drift is not None),
+            "profile_drift": drift, "compute_rescaled": rescaled,
             "profile_contention": profile.contention,
             "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])}
 

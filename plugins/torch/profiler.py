@@ -677,19 +677,15 @@ def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 # -------------------------------------------------------------------- the worker
-def _sched_cpu_per_piece(spec: dict, rank: int, progress: Any) -> dict[str, Any]:
+def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module, x: Any, y: Any,
+                         progress: Any) -> dict[str, Any]:
     """CPU seconds of this rank's commsched threads (dispatch, completion, publish/order) per piece
-    over :data:`SCHED_CPU_STEPS` steps of ``dynamic`` with the run's piece size and credit, as the
-    bench measures its ``sched CPU`` column (``/proc/self/task/<tid>/schedstat``)."""
+    over :data:`SCHED_CPU_STEPS` steps of ``dynamic`` on the profiled ``model`` with the run's piece
+    size and credit, as the bench measures its ``sched CPU`` column (``/proc/self/task/<tid>/schedstat``)."""
     from commsched.bench.spec import parse_strategies
     from commsched.plugins.torch.bench import worker
     from commsched.plugins.torch.bench.strategies import make_strategy
-    from commsched.plugins.torch.bench.workloads import get_workload
 
-    workload = get_workload(spec["workload"])
-    torch.manual_seed(spec["seed"])
-    model = workload.build()
-    x, y = workload.make_batch(spec["batch_size"], torch.Generator().manual_seed(spec["seed"] + 1 + rank))
     (dynamic,) = parse_strategies("dynamic")
     strat = make_strategy(dynamic, model, worker._opt_factory(workload), run_spec=spec, rank=rank, timeline=None)
 
@@ -738,7 +734,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
         result["profile"] = prof.to_dict()
         progress("layers", 1, 1)
         dist.barrier()
-        result["sched_cpu"] = _sched_cpu_per_piece(spec, rank, progress)
+        result["sched_cpu"] = _sched_cpu_per_piece(spec, rank, wl, model, x, y, progress)
         dist.barrier()
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
         import traceback
