@@ -477,10 +477,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._closed = False
         self._orphans: list[_ParamState] = []
         self._fusion_pending = True  # fusion_bytes: the groups are made at the first gradient
-        # Update instances of the user's optimizer class, by the parameters they update (lean apply:
-        # a module's parameters of one param group in one call; else one parameter each).
+        # Update instances of the user's optimizer class: one per param group under lean apply (every
+        # update of that group, whichever parameters it covers, since LEAN_APPLY classes keep all their
+        # state in the shared ``state``), else one per parameter.
         self._subs: dict[tuple[int, ...], torch.optim.Optimizer] = {}
         self._lean = True
+        # Cross-iteration: the first forward pre-hook after step() also applies, in one call per param
+        # group, every ended step's update whose reduction is already done (see _ready).
+        self._sweep = False
         self._lean_cache: dict[int, bool] = {}
         # CUDA: (step, streams, event where the compute stream needed a gradient, its done event)
         self._gpu_waits: list[tuple] = []
@@ -962,8 +966,20 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._ready(self._orphans, "forward")
 
     def _ready(self, states: list[_ParamState], where: str) -> None:
-        """Wait for ``states``' reductions and apply their updates (user's thread)."""
+        """Wait for ``states``' reductions and apply their updates (user's thread).
+
+        The first call of a forward after a cross-iteration ``step()`` also takes every other
+        parameter of a lean group whose update is due (its step ended) and whose reduction is done
+        already: their updates join the same call of the optimizer class per param group, one call
+        where each layer's pre-hook would make one each (where communication finished within
+        backward, one call a step, as the wrapped optimizer's own ``step()``). Applying a due update
+        before its layer's forward changes no value (no forward reads the parameter in between)."""
         pending = [s for s in states if s.future is not None]
+        if self._sweep and where == "forward":
+            self._sweep = False
+            mine = {id(s) for s in pending}
+            pending += [s for s in self._params if id(s) not in mine and s.future is not None and s.hyper is not None
+                        and s.cuda is None and s.future.done() and self._lean_group(s.group)]
         if not pending:
             return
         started = time.perf_counter()
@@ -1059,9 +1075,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         """Apply the reduced gradients of ``batch`` (one parameter, or a lean-apply batch of one param
         group and one step) with one call of the user's optimizer class, on the user's thread."""
         t0 = now_us()
-        key = tuple(id(s.param) for s in batch)
-        sub = self._subs.get(key)
         first = batch[0]
+        key = (id(first.group),) if self._lean_group(first.group) else tuple(id(s.param) for s in batch)
+        sub = self._subs.get(key)
         if sub is None:
             sub = self._subs[key] = type(self.optimizer)([dict(first.group)])
             sub.state = self.optimizer.state  # one state, the wrapped optimizer's
@@ -1144,6 +1160,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             for s in self._params:
                 if s.future is not None and s.hyper is None:
                     s.hyper = snapshots[id(s.group)]
+            self._sweep = self._lean
         self._steps += 1
         if self._adaptive:
             self._at_boundary(self._steps - 1)
