@@ -465,8 +465,9 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
     communication that overlapped them (``contention`` is 1: it is in the numbers).
     Cross-iteration: ``apply_s`` is the time of each layer's pre-hook minus its wait
     (the optimizer's bubble); the first layer's holds the updates that were reduced by then (lean
-    apply's sweep applies them there in one call), so the sum is the step's apply. Synchronous: the wrapped ``optimizer.step()`` of all
-    parameters is split over the layers in proportion to their gradient bytes.
+    apply's sweep applies them there in one call), so the sum is the step's apply. Synchronous:
+    the wrapped ``optimizer.step()`` of all parameters is split over the layers in proportion to
+    their gradient bytes.
     ``step_overhead_s`` is the rest of the median step: loss, user code, waits are not in it
     (``meta['bubble_s']`` has them).
     """
