@@ -110,6 +110,10 @@ class Scheduler(Closeable):
         # large piece on the training thread delays backward; INLINE_MAX_BYTES): the dispatch thread
         # starts them first, before anything decided after them.
         self._handoff: list[Piece] = []
+        # CPU seconds commsched's own threads spent in the engine's work rather than in scheduling: the
+        # dispatch thread in backend.start() (the engine's launch), the completion thread in on_done (the
+        # plugin's averaging). Each key is written by one thread only. stats()["engine_cpu_s"].
+        self._engine_cpu = {"launch": 0.0, "on_done": 0.0}
         self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
         self._threads: list[threading.Thread] = []
         self._spawn("dispatch", self._dispatch_loop)
@@ -276,11 +280,12 @@ class Scheduler(Closeable):
 
     def stats(self) -> dict:
         """Pieces and bytes started, tasks, steps, the most bytes in flight, settings; per step: pieces,
-        bytes, start order."""
+        bytes, start order; ``engine_cpu_s``: CPU seconds so far of the dispatch thread in the engine's
+        launches (``launch``) and of the completion thread in ``on_done`` (the plugin's averaging)."""
         with self._lock:
             out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
-                       ordering=self.config.ordering)
+                       ordering=self.config.ordering, engine_cpu_s=dict(self._engine_cpu))
             plan = getattr(self._state.policy, "plan", None)
             if plan is not None and hasattr(plan, "digest"):  # planned: the plan's credit, piece sizes, digest
                 sizes = sorted({g.partition_bytes for g in plan.groups})
@@ -360,14 +365,18 @@ class Scheduler(Closeable):
             self._publish_cv.notify()
         return batch
 
-    def _start(self, batch: list[Piece]) -> None:
-        """Hand ``batch`` to the engine (lock not held); a piece the engine refuses completes with its error."""
+    def _start(self, batch: list[Piece], timed: bool = False) -> None:
+        """Hand ``batch`` to the engine (lock not held); a piece the engine refuses completes with its error.
+        ``timed`` (the dispatch thread): its CPU time counts as ``engine_cpu_s["launch"]``."""
+        t0 = time.thread_time() if timed else 0.0
         for piece in batch:
             done = functools.partial(self._on_piece_done, piece)
             try:
                 self.backend.start(piece, done)
             except BaseException as exc:
                 done(exc)
+        if timed:
+            self._engine_cpu["launch"] += time.thread_time() - t0
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -379,7 +388,7 @@ class Scheduler(Closeable):
                     handoff, self._handoff = self._handoff, []
                     batch = handoff + self._decide_locked()
                 if batch:
-                    self._start(batch)
+                    self._start(batch, timed=True)
                     continue
             with self._lock:  # sleep until something changed since that decision (no lost wake-up)
                 while self._work_gen == seen and not self._closing and self._state.error is None:
@@ -416,10 +425,12 @@ class Scheduler(Closeable):
                 continue
             error = None
             if task.on_done is not None and state.error is None:
+                t0 = time.thread_time()
                 try:
                     task.on_done(task)
                 except BaseException as exc:
                     error = failures.update_failed(task.name, exc)
+                self._engine_cpu["on_done"] += time.thread_time() - t0
             with self._lock:
                 if state.finished(task, error):
                     self._wake_all()

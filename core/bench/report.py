@@ -427,6 +427,12 @@ BREAKDOWN_HOW = {
                    "thread's the engine's launch of each all-reduce. Does not include submit_s (training "
                    "thread) or the engine's (gloo's) threads, where the piece-done callback runs",
     "sched_cpu_per_piece_s": "sched_cpu_s x steps / pieces started in the measured steps",
+    "sched_engine_cpu_s": "the part of sched_cpu_s that is the engine's and the plugin's work, not scheduling: "
+                          "launch (the dispatch thread inside backend.start(): the all-reduce's launch) and "
+                          "on_done (the completion thread inside the plugin's callback: the division by the "
+                          "world size); time.thread_time() around each, Scheduler.stats()['engine_cpu_s']",
+    "sched_own_cpu_per_piece_s": "(sched_cpu_s - launch - on_done) x steps / pieces: the scheduler's own CPU "
+                                 "per piece on its threads (deciding, waking, bookkeeping)",
     "sched_cpu_by_thread_s": "sched_cpu_s by thread",
     "decision_latency": "leader/follower orderings: per piece of the last recorded steps, rank 0's decision "
                         "(Scheduler.stats()['issue_times'], time.time() when rank 0 started it) to the "
@@ -471,6 +477,7 @@ def _rank_breakdown(r: dict, commsched: bool) -> dict[str, Any]:
         "other_s": _med([s - f - b - c for s, f, b, c in zip(steps, fwd, bwd, call, strict=True)]),
         "final_sync_s": r.get("final_sync_s"),
         "sched_cpu_s": None, "sched_cpu_per_piece_s": None, "sched_cpu_by_thread_s": None,
+        "sched_engine_cpu_s": None, "sched_own_cpu_per_piece_s": None,
     }
     threads = r.get("sched_thread_cpu_s")
     if threads is not None and n:
@@ -479,6 +486,11 @@ def _rank_breakdown(r: dict, commsched: bool) -> dict[str, Any]:
         out["sched_cpu_by_thread_s"] = {k: v / n for k, v in sorted(threads.items())}
         pieces = r.get("measured_pieces")
         out["sched_cpu_per_piece_s"] = total / pieces if pieces else None
+        engine = r.get("sched_engine_cpu_s")
+        if isinstance(engine, dict):
+            out["sched_engine_cpu_s"] = {k: v / n for k, v in sorted(engine.items())}
+            if pieces:
+                out["sched_own_cpu_per_piece_s"] = max(0.0, total - sum(engine.values())) / pieces
     return out
 
 
@@ -540,6 +552,9 @@ def breakdown(phase: Any) -> dict[str, Any] | None:
     threads = [p["sched_cpu_by_thread_s"] for p in per_rank if p.get("sched_cpu_by_thread_s")]
     out["sched_cpu_by_thread_s"] = ({k: max(t.get(k, 0.0) for t in threads) for t in threads for k in t}
                                     if threads else None)
+    engines = [p["sched_engine_cpu_s"] for p in per_rank if p.get("sched_engine_cpu_s")]
+    out["sched_engine_cpu_s"] = ({k: max(t.get(k, 0.0) for t in engines) for t in engines for k in t}
+                                 if engines else None)
     stats = [r.get("stats") or {} for r in phase.ranks]
     mode = (stats[0].get("scheduler") or {}).get("mode") if isinstance(stats[0], dict) else None
     out["decision_latency"] = decision_latency(stats[0], stats[1:]) if mode == "leader" else None
@@ -805,7 +820,7 @@ def rounds_table(results: list[dict]) -> list[str]:
 
 #: The second table: where each strategy's step goes, in ms (slowest rank; docs/bench.md).
 BREAKDOWN_HEADER = ("| strategy | step | fwd compute | fwd wait | apply | backward (submit) | step() (wait) "
-                    "| other | final sync | sched CPU/step (/piece) | decision→issue p50/p95 (control p95) |")
+                    "| other | final sync | sched CPU/step (/piece; own) | decision→issue p50/p95 (control p95) |")
 
 
 def breakdown_table(results: list[dict]) -> list[str]:
@@ -825,7 +840,9 @@ def breakdown_table(results: list[dict]) -> list[str]:
         cpu = "-"
         if b.get("sched_cpu_s") is not None:
             per_piece = b.get("sched_cpu_per_piece_s")
-            cpu = ms(b["sched_cpu_s"], ".2f") + (f" ({per_piece * 1e6:.0f} µs)" if per_piece else "")
+            own = b.get("sched_own_cpu_per_piece_s")
+            cpu = ms(b["sched_cpu_s"], ".2f") + (f" ({per_piece * 1e6:.0f} µs" if per_piece else "") + (
+                f"; own {own * 1e6:.0f} µs" if per_piece and own is not None else "") + (")" if per_piece else "")
         lat = b.get("decision_latency")
         dec = "-" if not lat else (f"{ms(lat['latency_s']['p50'], '.2f')}/{ms(lat['latency_s']['p95'], '.2f')} "
                                    f"({ms(lat['control_s']['p95'], '.2f')})")

@@ -77,6 +77,9 @@ def _check_entry(entry: dict, report: dict) -> None:
         assert r["optimizer_apply_s"] > 0
     if entry["strategy"] in ("fifo", "dynamic", "static"):
         assert b["sched_cpu_s"] > 0 and b["sched_cpu_per_piece_s"] > 0 and b["submit_s"] > 0
+        # the division by the world size runs on the completion thread for every task
+        assert b["sched_engine_cpu_s"]["on_done"] > 0
+        assert 0 <= b["sched_own_cpu_per_piece_s"] <= b["sched_cpu_per_piece_s"]
     if entry["strategy"] == "dynamic":
         assert b["decision_latency"]["pieces"] > 0 and b["decision_latency"]["latency_s"]["p50"] >= 0
     assert entry["throughput_samples_s"] == pytest.approx(

@@ -63,6 +63,7 @@ def _rank(commsched: bool, *, bubbles=None, follower_stats=None):
                     "step": [0.0 if commsched else 0.04] * n},
         "final_sync_s": 0.2, "submit_s": [0.002] * n if commsched else None,
         "sched_thread_cpu_s": {"dispatch": 0.004, "complete": 0.008} if commsched else None,
+        "sched_engine_cpu_s": {"launch": 0.002, "on_done": 0.006} if commsched else None,
         "measured_pieces": 40 if commsched else None,
         "cpu": {"cpu_busy": 0.5, "process_cpu_s": 1.0, "wall_s": 2.0}, "checksum": "a",
         "stats": follower_stats or {}, "timeline": [],
@@ -81,6 +82,9 @@ def test_breakdown_splits_the_forward_and_names_how_each_number_was_measured():
     assert b["sched_cpu_s"] == pytest.approx(0.012 / 4)
     assert b["sched_cpu_per_piece_s"] == pytest.approx(0.012 / 40)
     assert b["sched_cpu_by_thread_s"] == {"complete": pytest.approx(0.002), "dispatch": pytest.approx(0.001)}
+    # of the 12 ms on the threads, 2 ms were launches and 6 ms the division: 4 ms over 40 pieces were its own
+    assert b["sched_engine_cpu_s"] == {"launch": pytest.approx(0.0005), "on_done": pytest.approx(0.0015)}
+    assert b["sched_own_cpu_per_piece_s"] == pytest.approx(0.004 / 40)
     assert b["submit_s"] == pytest.approx(0.002)
     assert all(key in b["how"] for key in b if key not in ("per_rank", "how"))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import json
 import threading
+import time
 
 import pytest
 
@@ -275,3 +276,34 @@ def test_a_reduced_task_leaves_no_reference_cycle_behind():
     finally:
         gc.enable()
         world.close()  # its link thread is not a daemon: left running it holds the test process open
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_stats_split_the_threads_cpu_spent_in_the_engine_and_in_on_done():
+    """engine_cpu_s: the dispatch thread's CPU inside backend.start() (a piece too big to launch on
+    the submitting thread) and the completion thread's inside on_done, each counted where it ran."""
+    world = InProcessWorld(1)
+    try:
+        backend = world.backend(0)
+        real_start = backend.start
+
+        def slow_start(piece, done):
+            _burn(0.005)
+            real_start(piece, done)
+
+        backend.start = slow_start
+        s = Scheduler(backend, ArrayOps(), SchedulerConfig(timeout_s=10, partition_bytes=64 << 20))
+        with s:
+            assert s.stats()["engine_cpu_s"] == {"launch": 0.0, "on_done": 0.0}
+            big = doubles((2 << 20) // 8)  # 2 MiB: over INLINE_MAX_BYTES, so the dispatch thread launches it
+            s.wait(s.submit("big", big, on_done=lambda task: _burn(0.005)))
+            s.mark_step()
+            cpu = s.stats()["engine_cpu_s"]
+        assert cpu["launch"] >= 0.005 and cpu["on_done"] >= 0.005, cpu
+    finally:
+        world.close()

@@ -301,6 +301,14 @@ def thread_cpu_delta(before: dict[tuple[str, int], float], after: dict[tuple[str
     return out
 
 
+def _engine_cpu(strat: Any) -> dict[str, float] | None:
+    """The scheduler's ``engine_cpu_s`` so far (commsched strategies), else None."""
+    stats = strat.stats()
+    sched = stats.get("scheduler") if isinstance(stats, dict) else None
+    found = sched.get("engine_cpu_s") if isinstance(sched, dict) else None
+    return dict(found) if isinstance(found, dict) else None
+
+
 def _pieces_started(strat: Any) -> int | None:
     stats = strat.stats()
     pieces = stats.get("pieces") if isinstance(stats, dict) else None
@@ -412,6 +420,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         submits.clear()
         strat.mark_measured()
         pieces0 = _pieces_started(strat)
+        engine0 = _engine_cpu(strat)
         cpu0 = thread_cpu_s()
         window = CpuWindow()
         for i in range(steps):
@@ -424,6 +433,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         cpu = window.stop()
         sync_apply, _ = timers.take()
         cpu1 = thread_cpu_s()
+        engine1 = _engine_cpu(strat)
         pieces1 = _pieces_started(strat)
         bubbles = strat.bubble_per_step()
         stats = strat.stats()
@@ -454,6 +464,8 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         "final_sync_apply_s": sum(sync_apply.values()),
         "submit_s": submits if timers.scheduler is not None else None,
         "sched_thread_cpu_s": thread_cpu_delta(cpu0, cpu1) if sspec.is_commsched else None,
+        "sched_engine_cpu_s": ({k: engine1[k] - engine0.get(k, 0.0) for k in engine1}
+                               if sspec.is_commsched and engine0 is not None and engine1 is not None else None),
         "measured_pieces": (pieces1 - pieces0) if pieces0 is not None and pieces1 is not None else None,
         "cpu": cpu,
         "checksum": checksum,
