@@ -406,7 +406,10 @@ class Scheduler(Closeable):
                 self._complete_cv.notify()
             if exc is not None:
                 self._wake_all()
-            self._poke_dispatch()
+            # The credit this frees matters only to pieces that wait to start: with none, waking the
+            # dispatch thread (a wake-up, both locks and a decision of nothing, per piece) is pure cost.
+            if len(self._state.unstarted) or self._handoff:
+                self._poke_dispatch()
         self.timeline.piece(piece, end)
 
     def _complete_loop(self) -> None:
