@@ -700,13 +700,13 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
         for _ in range(2):
             step()
         strat.synchronize()
-        pieces0, cpu0 = worker._pieces_started(strat), worker.thread_cpu_s()
+        pieces0, cpu0 = worker._counters(strat)[0], worker.thread_cpu_s()
         for i in range(SCHED_CPU_STEPS):
             step()
             progress("scheduler CPU", i + 1, SCHED_CPU_STEPS)
         strat.synchronize()
         by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
-        pieces = (worker._pieces_started(strat) or 0) - (pieces0 or 0)
+        pieces = (worker._counters(strat)[0] or 0) - (pieces0 or 0)
     finally:
         strat.close()
     return {"cpu_s": sum(by_thread.values()), "by_thread_s": by_thread, "pieces": pieces,

@@ -301,18 +301,16 @@ def thread_cpu_delta(before: dict[tuple[str, int], float], after: dict[tuple[str
     return out
 
 
-def _engine_cpu(strat: Any) -> dict[str, float] | None:
-    """The scheduler's ``engine_cpu_s`` so far (commsched strategies), else None."""
+def _counters(strat: Any) -> tuple[int | None, dict[str, float] | None]:
+    """Pieces started so far and the scheduler's ``engine_cpu_s`` (commsched strategies; else None),
+    from one ``stats()`` call."""
     stats = strat.stats()
-    sched = stats.get("scheduler") if isinstance(stats, dict) else None
-    found = sched.get("engine_cpu_s") if isinstance(sched, dict) else None
-    return dict(found) if isinstance(found, dict) else None
-
-
-def _pieces_started(strat: Any) -> int | None:
-    stats = strat.stats()
-    pieces = stats.get("pieces") if isinstance(stats, dict) else None
-    return pieces if isinstance(pieces, int) else None
+    if not isinstance(stats, dict):
+        return None, None
+    pieces = stats.get("pieces")
+    sched = stats.get("scheduler")
+    engine = sched.get("engine_cpu_s") if isinstance(sched, dict) else None
+    return (pieces if isinstance(pieces, int) else None), (dict(engine) if isinstance(engine, dict) else None)
 
 
 def run_calibrate(spec: dict, rank: int, progress: Progress) -> dict:
@@ -419,8 +417,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         applies.clear()
         submits.clear()
         strat.mark_measured()
-        pieces0 = _pieces_started(strat)
-        engine0 = _engine_cpu(strat)
+        pieces0, engine0 = _counters(strat)
         cpu0 = thread_cpu_s()
         window = CpuWindow()
         for i in range(steps):
@@ -433,8 +430,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         cpu = window.stop()
         sync_apply, _ = timers.take()
         cpu1 = thread_cpu_s()
-        engine1 = _engine_cpu(strat)
-        pieces1 = _pieces_started(strat)
+        pieces1, engine1 = _counters(strat)
         bubbles = strat.bubble_per_step()
         stats = strat.stats()
         checksum = _checksum(model)
