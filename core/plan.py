@@ -14,9 +14,12 @@ A :class:`Plan` says, for one model on one topology:
 * **order** — ``"fixed"``: every rank issues the pieces in exactly the listed order;
   ``"priority"``: the pieces are the plan's (groups, sizes, algorithms) but the order is
   the runtime's priority order (rank 0 decides as ``dynamic`` does), the listed order
-  being what the simulator predicts it to be; ``"observed"``: the plan's pieces, step 0
-  in the runtime's priority order, and every later step in the order step 0 issued (as
-  ``static`` does: no message per step). The planner writes ``"observed"`` (or what
+  being what the simulator predicts it to be; ``"observed"``: the plan's pieces, steps 0
+  to :data:`OBSERVED_STEP` in the runtime's priority order, and every later step in one
+  order rank 0 derives from step :data:`OBSERVED_STEP` (as ``static`` replays step 0: no
+  message per step): the priority rule run again over the readiness rank 0 saw in that
+  step, on the link of the plan's topology (:func:`commsched.policy.edd_replay_order`;
+  the order as issued where the plan has no topology). The planner writes ``"observed"`` (or what
   ``PlanSearch.kept_default_order`` says) where its search found no gain over the runtime
   default: a fixed replay of a *predicted* order holds every piece behind one that is
   ready later than the profile said; the order the ranks really saw does not
@@ -42,15 +45,20 @@ from typing import Any, Iterable
 from commsched.errors import CommschedError
 from commsched.partition import piece_bounds
 
-__all__ = ["ALGORITHMS", "ORDERS", "SCHEMA", "Plan", "PlanGroup", "PlanMismatch", "PlannedPiece", "PlannedTensor",
-           "fused_name"]
+__all__ = ["ALGORITHMS", "OBSERVED_STEP", "ORDERS", "SCHEMA", "Plan", "PlanGroup", "PlanMismatch", "PlannedPiece",
+           "PlannedTensor", "fused_name"]
 
 SCHEMA = "commsched-plan/1"
 #: All-reduce algorithms a planned piece may name (see :mod:`commsched.costmodel.collectives`).
 ALGORITHMS = ("ring", "hierarchical")
 #: How the ranks order a plan's pieces: ``fixed`` (the listed order), ``priority`` (the runtime's,
-#: rank 0 deciding every step) or ``observed`` (step 0 by priority, then step 0's order every step).
+#: rank 0 deciding every step) or ``observed`` (by priority up to :data:`OBSERVED_STEP`, then
+#: that step's order every step).
 ORDERS = ("fixed", "priority", "observed")
+#: The step whose readiness an ``"observed"`` plan replays. Not step 0: step 0 is a warm-up (the
+#: first collectives, the allocator, no forward wait before it), its backward and its
+#: communication are paced unlike the steady state's. Step 2 is the bench's last warm-up.
+OBSERVED_STEP = 2
 
 
 class PlanMismatch(CommschedError, ValueError):

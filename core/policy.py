@@ -14,8 +14,8 @@ policy                      rule
 :class:`LeaderPolicy`       the same, and every decision is published (``dynamic``)
 :class:`FollowerPolicy`     exactly rank 0's published sequence, each piece once it is
                             ready here and fits the credit
-:class:`StaticLeader`,      step 0 as leader/follower; then every step repeats step 0's
-:class:`StaticFollower`     order (the plan), with no messages
+:class:`StaticLeader`,      step 0 (or the ``record_step``) as leader/follower; then every
+:class:`StaticFollower`     step repeats that step's order (the plan), with no messages
 :class:`PlannedPolicy`      the plan's fixed piece order within the plan's credit, from
                             step 0 on every rank, with no messages (``planned``)
 :class:`FifoPolicy`         submission order within the credit (``fifo``)
@@ -32,17 +32,18 @@ from __future__ import annotations
 
 import collections
 import heapq
-from typing import Any
+from typing import Any, Callable, NamedTuple, Sequence
 
 from commsched.config import SchedulerConfig
 from commsched.errors import CommschedError, OrderAgreementError
 from commsched.partition import piece_bounds
+from commsched.plan import OBSERVED_STEP
 from commsched.plan import Plan as CommPlan
 from commsched.protocol import Decision, EndOfStep, Lost, Message, Plan
 
 __all__ = ["DispatchPolicy", "FifoPolicy", "FollowerPolicy", "ImmediatePolicy", "LeaderPolicy", "PlannedPolicy",
-           "PriorityPolicy", "StaticFollower", "StaticLeader", "Unstarted", "agrees_on_order", "fits", "load_plan",
-           "make_policy", "replay_policy"]
+           "PriorityPolicy", "Recorded", "StaticFollower", "StaticLeader", "Unstarted", "agrees_on_order",
+           "edd_replay_order", "fits", "load_plan", "make_policy", "replay_policy"]
 
 
 def fits(in_flight: int, nbytes: int, credit: int) -> bool:
@@ -348,14 +349,14 @@ class FollowerPolicy(DispatchPolicy):
 
 
 class _StaticPlan:
-    """Step 0's order, walked again every later step; the one place its checks live."""
+    """The recorded step's order, walked again every later step; the one place its checks live."""
 
-    def __init__(self, pieces: tuple[str, ...]) -> None:
+    def __init__(self, pieces: tuple[str, ...], first_step: int = 1) -> None:
         self.pieces = pieces
         self._names = set(pieces)
         self._tasks = {_task_of(p) for p in pieces}
         self._pos = 0
-        self._step = 1
+        self._step = first_step
 
     def check_task(self, task_name: str, n_pieces: int) -> None:
         if any(f"{task_name}#{i}" not in self._names for i in range(n_pieces)):
@@ -390,36 +391,107 @@ class _StaticPlan:
         return piece
 
 
+class Recorded(NamedTuple):
+    """A piece rank 0 issued in the recorded step of a static replay: its name, priority key,
+    when its task was submitted (µs, the scheduler's clock), its bytes and its algorithm."""
+
+    name: str
+    key: tuple
+    ready_us: float
+    nbytes: int
+    algorithm: str
+
+
+def edd_replay_order(recorded: Sequence[Recorded], credit_bytes: int,
+                     seconds: Callable[[int, str], float]) -> list[str]:
+    """The order :class:`PriorityPolicy` would issue ``recorded`` in on a link where one piece
+    takes ``seconds(nbytes, algorithm)``, the pieces become ready when they did in the recorded
+    step, and the link serves the issued pieces one after another within ``credit_bytes``.
+
+    Why: a replay of the order rank 0 *issued* carries that step's link speed. A step whose
+    communication was slow (the CPUs contended) queues the early layers' gradients behind each
+    other, and a later, faster step then waits, link idle, for a gradient the recorded order
+    put first but the backward has not made yet. With ``seconds`` from the topology the plan
+    was made for (the link as probed, not contended), the order keeps the link busy whenever
+    anything recorded as ready is waiting, and still puts urgent layers first where the
+    readiness allows (docs/planner.md, "The replayed order").
+    """
+    pending = sorted(recorded, key=lambda r: (r.ready_us, r.key))
+    if not pending:
+        return []
+    t0 = pending[0].ready_us
+    ready_s = [(r.ready_us - t0) / 1e6 for r in pending]
+    queue: list[tuple[tuple, int]] = []
+    flight: list[tuple[float, int]] = []  # (completion s, bytes)
+    in_flight = 0
+    link_free = clock = 0.0
+    order: list[str] = []
+    i = 0
+    while len(order) < len(pending):
+        while i < len(pending) and ready_s[i] <= clock:
+            heapq.heappush(queue, (pending[i].key, i))
+            i += 1
+        while flight and flight[0][0] <= clock:
+            in_flight -= heapq.heappop(flight)[1]
+        if queue and (not flight or fits(in_flight, pending[queue[0][1]].nbytes, credit_bytes)):
+            piece = pending[heapq.heappop(queue)[1]]
+            link_free = max(clock, link_free) + max(0.0, float(seconds(piece.nbytes, piece.algorithm)))
+            heapq.heappush(flight, (link_free, piece.nbytes))
+            in_flight += piece.nbytes
+            order.append(piece.name)
+            continue
+        events = ([ready_s[i]] if i < len(pending) else []) + ([flight[0][0]] if flight else [])
+        clock = max(clock, min(events))
+    return order
+
+
 class _StaticMixin:
-    """Shared by both static roles: the plan's checks and walk from step 1 on."""
+    """Shared by both static roles: the plan's checks and walk after the recorded step.
+
+    ``record_step`` (``R``): steps ``0..R`` run as ``dynamic`` (rank 0 decides by priority and
+    publishes each decision); the order rank 0 issued in step ``R`` becomes the plan, walked
+    every step from ``R + 1`` on with no message. ``static`` records step 0; a plan whose
+    order is ``"observed"`` records :data:`commsched.plan.OBSERVED_STEP` (a warm step: step 0's
+    order is a warm-up's, docs/planner.md).
+    """
 
     plan: _StaticPlan | None = None
     credit_bytes: int
+    record_step: int = 0
+
+    def _set_record_step(self, record_step: int) -> None:
+        if int(record_step) < 0:
+            raise ValueError(f"record_step={record_step!r}: the step whose order is replayed must be >= 0")
+        self.record_step = int(record_step)
 
     def admit(self, step: int, task_name: str, n_pieces: int) -> None:
-        if step >= 1 and self.plan is not None:
+        if step > self.record_step and self.plan is not None:
             self.plan.check_task(task_name, n_pieces)
 
     def step_ended(self, step: int, names: set[str]) -> None:
-        if step >= 1 and self.plan is not None:
+        if step > self.record_step and self.plan is not None:
             self.plan.check_step(step, names)
 
     def _walk(self, unstarted: Unstarted, step: int, in_flight: int) -> tuple[bool, Any]:
-        """(True, piece or None) once the plan is in force: step 0 fully started, this rank past it."""
-        if self.plan is None or step < 1 or unstarted.open_in(0):
+        """(True, piece or None) once the plan is in force: the recorded step fully started, this rank past it."""
+        if self.plan is None or step <= self.record_step or unstarted.open_in(self.record_step):
             return False, None
         return True, self.plan.next(unstarted, step, in_flight, self.credit_bytes)
 
 
 class StaticLeader(_StaticMixin, LeaderPolicy):
-    """Rank 0 of ``static``: step 0 as :class:`LeaderPolicy`; its order becomes the plan (``L``)."""
+    """Rank 0 of ``static``: steps up to the recorded one (step 0 by default) as
+    :class:`LeaderPolicy`; the recorded step's order becomes the plan (``L``)."""
 
-    def __init__(self, credit_bytes: int) -> None:
+    def __init__(self, credit_bytes: int, record_step: int = 0,
+                 reorder: Callable[[list[Recorded]], Sequence[str]] | None = None) -> None:
         super().__init__(credit_bytes)
-        self._step0: list[str] = []
+        self._set_record_step(record_step)
+        self._recorded: list[Recorded] = []
+        self.reorder = reorder
 
     def add(self, piece: Any) -> None:
-        if piece.task.step == 0:
+        if piece.task.step <= self.record_step:
             super().add(piece)  # later steps are walked from the plan
 
     def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
@@ -427,29 +499,43 @@ class StaticLeader(_StaticMixin, LeaderPolicy):
         return piece if planned else super().next(unstarted, step, in_flight)
 
     def issued(self, piece: Any) -> list[Message]:
-        if piece.task.step != 0:
+        if piece.task.step > self.record_step:
             return []  # the plan fixes every later step: no per-step messages
-        self._step0.append(piece.name)
+        if piece.task.step == self.record_step:
+            self._recorded.append(Recorded(piece.name, tuple(piece.key), float(piece.task.submitted_us),
+                                           int(piece.nbytes), getattr(piece, "algorithm", "ring")))
         return super().issued(piece)
 
     def _step_over(self, step: int) -> list[Message]:
         if self.plan is not None:
             return []
-        self.plan = _StaticPlan(tuple(self._step0))
+        if step < self.record_step:
+            return [EndOfStep(step)]
+        issued = [r.name for r in self._recorded]
+        order = tuple(self.reorder(list(self._recorded))) if self.reorder is not None else tuple(issued)
+        if sorted(order) != sorted(issued):
+            raise CommschedError(f"the replay order of the recorded step is not a permutation of its {len(issued)} "
+                                 "pieces (a bug in the reorder function)")
+        self.plan = _StaticPlan(order, first_step=self.record_step + 1)
         return [EndOfStep(step), Plan(self.plan.pieces)]
 
 
 class StaticFollower(_StaticMixin, FollowerPolicy):
-    """Ranks > 0 of ``static``: step 0 as :class:`FollowerPolicy`, then the plan rank 0 published."""
+    """Ranks > 0 of ``static``: steps up to the recorded one as :class:`FollowerPolicy`, then
+    the plan rank 0 published."""
+
+    def __init__(self, credit_bytes: int, rank: int, record_step: int = 0) -> None:
+        super().__init__(credit_bytes, rank)
+        self._set_record_step(record_step)
 
     def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
         planned, piece = self._walk(unstarted, step, in_flight)
         return piece if planned else super().next(unstarted, step, in_flight)
 
     def _plan_arrived(self, message: Plan, unstarted: Unstarted) -> None:
-        self.plan = _StaticPlan(message.pieces)
-        for piece in unstarted.pieces():  # step >= 1 pieces queued before the plan was known
-            if piece.task.step >= 1 and piece.name not in message.pieces:
+        self.plan = _StaticPlan(message.pieces, first_step=self.record_step + 1)
+        for piece in unstarted.pieces():  # pieces of later steps queued before the plan was known
+            if piece.task.step > self.record_step and piece.name not in message.pieces:
                 raise OrderAgreementError(
                     f"tensor {piece.task.name!r} was not communicated in the profiling step, so the static plan "
                     "has no place for it; use ordering='dynamic'")
@@ -612,8 +698,9 @@ class PlanCutPriority(DispatchPolicy):
     plan, of another size, or missing from a step is refused the same way); which piece goes
     next is ``inner``'s: on engines that do not negotiate order, rank 0 decides by priority and
     publishes (:class:`LeaderPolicy`) and the others follow (:class:`FollowerPolicy`), as in
-    ``dynamic``; with ``order`` ``"observed"``, step 0 so and every later step in step 0's order
-    with no message (:class:`StaticLeader`/:class:`StaticFollower`, as ``static``); with one
+    ``dynamic``; with ``order`` ``"observed"``, steps up to :data:`~commsched.plan.OBSERVED_STEP`
+    so and every later step in that step's order with no message (:class:`StaticLeader`/
+    :class:`StaticFollower`, as ``static``, which records step 0); with one
     rank, or in a replay, :class:`PriorityPolicy`. So a plan that only fixes settings runs
     exactly as ``dynamic`` (or ``static``) does with those settings, and a gradient ready later
     than the profile said holds back nothing behind it (docs/planner.md, "What the order
@@ -697,6 +784,22 @@ def load_plan(config: SchedulerConfig) -> CommPlan:
     return plan if isinstance(plan, CommPlan) else CommPlan.from_json(plan)
 
 
+def _plan_reorder(plan: CommPlan) -> Callable[[list[Recorded]], list[str]] | None:
+    """For an ``observed`` plan: :func:`edd_replay_order` on the link of the plan's topology
+    (None when the plan carries no topology: the recorded order is replayed as issued)."""
+    if not plan.topology:
+        return None
+    from commsched.costmodel.collectives import allreduce_s
+    from commsched.costmodel.topology import Topology
+
+    topology = Topology.from_dict(plan.topology)
+    credit = plan.credit_bytes
+
+    def reorder(recorded: list[Recorded]) -> list[str]:
+        return edd_replay_order(recorded, credit, lambda nbytes, algorithm: allreduce_s(topology, nbytes, algorithm))
+    return reorder
+
+
 def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_order: bool) -> DispatchPolicy:
     """The policy of this rank: the one place where ``ordering`` is looked at."""
     credit = config.credit_bytes
@@ -715,8 +818,12 @@ def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_
             if world_size <= 1 or negotiates_order:  # one rank, or Horovod's coordinator matching by name
                 return PlanCutPriority(plan, PriorityPolicy(credit))
             # observed: step 0 as dynamic, then step 0's order with no message per step (static's roles)
-            roles = (StaticLeader, StaticFollower) if plan.order == "observed" else (LeaderPolicy, FollowerPolicy)
-            return PlanCutPriority(plan, roles[0](credit) if rank == 0 else roles[1](credit, rank))
+            if plan.order == "observed":
+                inner: DispatchPolicy = (StaticLeader(credit, record_step=OBSERVED_STEP, reorder=_plan_reorder(plan))
+                                         if rank == 0 else StaticFollower(credit, rank, record_step=OBSERVED_STEP))
+            else:
+                inner = LeaderPolicy(credit) if rank == 0 else FollowerPolicy(credit, rank)
+            return PlanCutPriority(plan, inner)
         return PlannedPolicy(plan)
     if world_size <= 1:
         return PriorityPolicy(credit)

@@ -50,9 +50,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                                       "(default 0,0.25,1,4)")
     p.add_argument("--kept-default-order", choices=ORDERS, default=PlanSearch.kept_default_order,
                    help="where the plan is the runtime default's settings (no gain past --min-gain): issue its "
-                        "pieces in the order step 0 issued by priority, every step (observed: what static runs; "
-                        "the default), in the runtime's priority order decided every step (priority: what "
-                        "dynamic runs), or as the simulated order (fixed)")
+                        "pieces by priority for 3 steps, then every step in one order made from the third step's "
+                        "readiness (observed: as static, with no message a step; the default), in the runtime's "
+                        "priority order decided every step (priority: what dynamic runs), or as the simulated order "
+                        "(fixed)")
     p.add_argument("--min-gain", type=float, default=0.05,
                    help="keep the runtime default (1 MiB pieces, 4 MiB credit, fusion 256 KiB, ring) unless the "
                         "best plan is predicted this share faster (default 0.05, the model's error; 0 = take any gain)")

@@ -122,9 +122,10 @@ class PlanSearch:
     #: ahead of `dynamic` in the model, ran 18 % behind `static` (0.355 against 0.290 s).
     min_gain: float = 0.05
     #: the ``order`` of the plan when the margin keeps the runtime default: ``"observed"`` (the
-    #: default's pieces, step 0 in the runtime's priority order and every later step in step 0's
-    #: order, with no message per step: what ``static`` runs), ``"priority"`` (rank 0 deciding
-    #: every step: what ``dynamic`` runs) or ``"fixed"`` (the simulated EDD order replayed).
+    #: default's pieces by the runtime's priority up to ``OBSERVED_STEP``, then every step in one
+    #: order made from that step's readiness, with no message per step: ``static``'s mechanism),
+    #: ``"priority"`` (rank 0 deciding every step: what ``dynamic`` runs) or ``"fixed"`` (the
+    #: simulated EDD order replayed).
     #: Measured on compute-heavy (flat, 2 workers, 1 Gbit/s): the fixed replay of the default
     #: waited 41.7 ms a step in the forward against `dynamic`'s 4.2 ms, since every piece waits
     #: for the one listed before it when a gradient is ready later than the profile says; on

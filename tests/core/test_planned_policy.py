@@ -4,6 +4,7 @@ per-group piece sizes and algorithms, and the start-up agreement on one plan (pl
 from __future__ import annotations
 
 import array
+import dataclasses
 import threading
 
 import pytest
@@ -11,12 +12,14 @@ import pytest
 from commsched import OrderAgreementError, SchedulerConfig
 from commsched.backends import InProcessWorld
 from commsched.backends.inproc import ArrayOps
+from commsched.costmodel.collectives import allreduce_s
+from commsched.costmodel.topology import Topology
 from commsched.errors import CommschedTimeout
-from commsched.plan import Plan, PlanGroup, PlanMismatch, PlannedPiece, PlannedTensor, fused_name
+from commsched.plan import OBSERVED_STEP, Plan, PlanGroup, PlanMismatch, PlannedPiece, PlannedTensor, fused_name
 from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import (FollowerPolicy, ImmediatePolicy, LeaderPolicy, PlanCutPriority, PlannedImmediate,
-                              PlannedPolicy, PriorityPolicy, StaticFollower, StaticLeader, Unstarted, agrees_on_order,
-                              make_policy, replay_policy)
+                              PlannedPolicy, PriorityPolicy, Recorded, StaticFollower, StaticLeader, Unstarted,
+                              agrees_on_order, edd_replay_order, make_policy, replay_policy)
 from commsched.protocol import Decision, EndOfStep
 from commsched.protocol import Plan as PlanMessage
 from commsched.scheduler import Scheduler
@@ -198,24 +201,30 @@ def test_make_policy_gives_an_observed_order_plan_statics_leader_and_followers()
     assert isinstance(make_policy(config, 0, 1, negotiates_order=False).inner, PriorityPolicy)
     assert isinstance(make_policy(config, 0, 2, negotiates_order=True).inner, PriorityPolicy)  # Horovod
     assert isinstance(make_policy(config, 1, 2, negotiates_order=True), PlannedImmediate)
+    assert leader.inner.record_step == follower.inner.record_step == OBSERVED_STEP
+    assert leader.inner.reorder is None  # no topology in the plan: the recorded order as issued
+    topo = Topology.emulated(2, None, "1gbit")
+    linked = dataclasses.replace(plan, topology=topo.to_dict())
+    with_link = make_policy(SchedulerConfig(ordering="planned", plan=linked), 0, 2, negotiates_order=False)
+    recorded = [Recorded("a#0", (0, 1, 0, 0), 0.0, 1 << 20, "ring"), Recorded("b#0", (0, 0, 1, 0), 1000.0, 8, "ring")]
+    assert with_link.inner.reorder(recorded) == ["a#0", "b#0"]  # a went alone; b waits for credit
+    assert edd_replay_order(recorded, 48, lambda n, a: allreduce_s(topo, n, a)) == ["a#0", "b#0"]
     replayed = replay_policy("planned", None, plan)  # one deciding rank: step 0's order is its priority order
     assert isinstance(replayed, PlanCutPriority) and isinstance(replayed.inner, PriorityPolicy)
     assert len({plan.digest, make_plan(issue="priority").digest, make_plan().digest}) == 3
 
 
-def test_an_observed_order_plan_issues_step0_by_priority_then_replays_it_with_no_message():
+def test_an_observed_order_plan_issues_warm_steps_by_priority_then_replays_the_last_with_no_message():
     policy = make_policy(SchedulerConfig(ordering="planned", plan=make_plan(credit=1 << 20, algorithm="hierarchical",
                                                                               issue="observed")), 0, 2, False)
     assert policy.bounds_for("a", 12, 4) == [(0, 4), (4, 8), (8, 12)] and policy.algorithm_of("a#2") == "hierarchical"
+    assert policy.inner.record_step == OBSERVED_STEP == 2
     u = Unstarted()
 
-    def ready(step, first):  # the fused group and a, ``first`` submitted first; a has priority 0
-        groups = {SMALL: pieces_of(policy, SMALL, step, priority=1, seq=2 * step),
-                  "a": pieces_of(policy, "a", step, priority=0, seq=2 * step + 1)}
-        for name in (first, "a" if first == SMALL else SMALL):
-            for p in groups[name]:
-                u.add(p)
-                policy.add(p)
+    def ready(step, name):  # a has priority 0, the fused group priority 1
+        for p in pieces_of(policy, name, step, priority=0 if name == "a" else 1, seq=2 * step + (name == "a")):
+            u.add(p)
+            policy.add(p)
 
     def issue(step):
         out = []
@@ -224,17 +233,29 @@ def test_an_observed_order_plan_issues_step0_by_priority_then_replays_it_with_no
             out.append((p.name, policy.issued(p)))
         return out
 
-    ready(0, SMALL)
-    step0 = issue(1)
-    assert [n for n, _ in step0] == ["a#0", "a#1", "a#2", f"{SMALL}#0"]  # by priority, not as listed
-    assert [m for _, m in step0] == [[Decision(0, n)] for n, _ in step0]  # step 0: rank 0 publishes
-    assert policy.steps_over(u, 1) == [EndOfStep(0), PlanMessage(tuple(n for n, _ in step0))]
-    for step in (1, 2):
+    by_priority = ["a#0", "a#1", "a#2", f"{SMALL}#0"]
+    for step in range(OBSERVED_STEP):  # warm steps: rank 0 decides by priority and publishes
         ready(step, SMALL)
-        assert issue(step + 1) == [(n, []) for n, _ in step0]  # step 0's order, no message
+        ready(step, "a")
+        issued = issue(step + 1)
+        assert [n for n, _ in issued] == by_priority  # by priority, not as the plan lists them
+        assert [m for _, m in issued] == [[Decision(step, n)] for n in by_priority]
+        assert policy.steps_over(u, step + 1) == [EndOfStep(step)]  # no plan yet
+    # the recorded step: the fused group is ready first and goes first
+    ready(OBSERVED_STEP, SMALL)
+    recorded = issue(OBSERVED_STEP)
+    ready(OBSERVED_STEP, "a")
+    recorded += issue(OBSERVED_STEP + 1)
+    order = [n for n, _ in recorded]
+    assert order == [f"{SMALL}#0", "a#0", "a#1", "a#2"] and order != by_priority
+    assert policy.steps_over(u, OBSERVED_STEP + 1) == [EndOfStep(OBSERVED_STEP), PlanMessage(tuple(order))]
+    for step in (OBSERVED_STEP + 1, OBSERVED_STEP + 2):  # both ready at once: still the recorded order
+        ready(step, "a")
+        ready(step, SMALL)
+        assert issue(step + 1) == [(n, []) for n in order]  # no message
         policy.step_ended(step, {"a", SMALL})
     with pytest.raises(OrderAgreementError, match=r"'a' was cut into 2 pieces but the plan has 3"):
-        policy.admit(3, "a", 2)
+        policy.admit(OBSERVED_STEP + 3, "a", 2)
 
 
 def test_a_plan_without_an_order_field_is_fixed_and_an_unknown_order_is_refused(tmp_path):

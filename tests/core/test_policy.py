@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from commsched import OrderAgreementError, SchedulerConfig
-from commsched.policy import (FifoPolicy, FollowerPolicy, ImmediatePolicy, LeaderPolicy, PriorityPolicy,
-                              StaticFollower, StaticLeader, Unstarted, agrees_on_order, fits, make_policy)
+from commsched.errors import CommschedError
+from commsched.policy import (FifoPolicy, FollowerPolicy, ImmediatePolicy, LeaderPolicy, PriorityPolicy, Recorded,
+                              StaticFollower, StaticLeader, Unstarted, agrees_on_order, edd_replay_order, fits,
+                              make_policy)
 from commsched.protocol import Abort, Close, Decision, EndOfStep, Lost, Plan, decode, encode
 
 
@@ -22,6 +24,7 @@ class T:
     step: int = 0
     priority: int = 0
     seq: int = 0
+    submitted_us: float = 0.0
 
 
 @dataclass(eq=False)
@@ -152,6 +155,92 @@ def test_static_leader_makes_the_plan_from_step0_and_walks_it_without_messages()
         leader.admit(2, "new", 1)
     with pytest.raises(OrderAgreementError, match=r"no gradient for \['a'\]"):
         leader.step_ended(2, {"b"})
+
+
+def test_static_roles_with_a_later_record_step_follow_decisions_until_it_then_replay_its_order():
+    """record_step=1: steps 0 and 1 as dynamic (the follower issues rank 0's decisions), step 1's
+    order (not step 0's) is the plan, walked by both ranks from step 2 with no message."""
+    (u0, leader), (u1, follower) = (Unstarted(), StaticLeader(100, record_step=1)), \
+        (Unstarted(), StaticFollower(100, rank=1, record_step=1))
+
+    def both(step, *names):  # the same gradients ready on both ranks, a urgent (priority 0)
+        for u, policy in ((u0, leader), (u1, follower)):
+            ready(policy, u, *(P(T(n, step=step, priority=n != "a", seq=2 * step + (n == "a")), 0, 4) for n in names))
+
+    def run(step):  # rank 0 issues, its messages reach rank 1, which issues what it can
+        issued, messages = [], []
+        while (p := leader.next(u0, step, 0)) is not None:
+            u0.started(p)
+            issued.append(p.name)
+            messages += leader.issued(p)
+        messages += leader.steps_over(u0, step)
+        follower.receive(messages)
+        return issued, messages, drain(follower, u1, step=step)
+
+    both(0, "b", "a")
+    assert run(1) == (["a#0", "b#0"], [Decision(0, "a#0"), Decision(0, "b#0"), EndOfStep(0)], ["a#0", "b#0"])
+    both(1, "b")  # step 1: b is ready before a, so it goes first
+    first = run(1)
+    both(1, "a")
+    second = run(2)
+    assert first[0] + second[0] == ["b#0", "a#0"] == first[2] + second[2]
+    assert second[1][-2:] == [EndOfStep(1), Plan(("b#0", "a#0"))] and follower.done_reading
+    for step in (2, 3):  # both ready at once: the replayed order is step 1's, not the priority order
+        both(step, "a", "b")
+        assert run(step + 1) == (["b#0", "a#0"], [], ["b#0", "a#0"])
+        leader.step_ended(step, {"a", "b"})
+    with pytest.raises(OrderAgreementError, match=r"no gradient for \['a'\]"):
+        follower.step_ended(4, {"b"})
+    with pytest.raises(ValueError, match="record_step=-1"):
+        StaticLeader(100, record_step=-1)
+
+
+def rec(name, layer, ready_ms, nbytes=4, index=0, algorithm="ring"):
+    return Recorded(f"{name}#{index}", (0, layer, layer, index), ready_ms * 1000.0, nbytes, algorithm)
+
+
+def test_the_edd_replay_order_keeps_the_link_busy_where_the_recorded_order_would_idle_it():
+    """Backward makes layer 2, then 1, then 0 (the most urgent) ready. Rank 0's slow recorded step
+    issued layer 0 before layer 1 (both were queued when the link freed); on the link as probed
+    (5 ms a piece) layer 1 goes as soon as it is ready, and layer 0 cuts in when it is."""
+    recorded = [rec("l2", 2, 0, index=0), rec("l2", 2, 0, index=1), rec("l0", 0, 12, index=0),
+                rec("l0", 0, 12, index=1), rec("l1", 1, 9, index=0), rec("l1", 1, 9, index=1)]
+    five_ms = lambda nbytes, algorithm: 0.005  # noqa: E731
+    # one piece at a time: l2#0 [0,5], l2#1 [5,10], l1#0 ready at 9 [10,15], l0 ready at 12 goes next
+    assert edd_replay_order(recorded, 4, five_ms) == ["l2#0", "l2#1", "l1#0", "l0#0", "l0#1", "l1#1"]
+    # a link so slow that everything is queued before the second piece: pure priority order
+    assert edd_replay_order(recorded, 4, lambda n, a: 1.0) == ["l2#0", "l0#0", "l0#1", "l1#0", "l1#1", "l2#1"]
+    # credit for two pieces: both of l2 start at 0 (served one after another: done at 5 and 10)
+    assert edd_replay_order(recorded, 8, five_ms)[:3] == ["l2#0", "l2#1", "l1#0"]
+    # the duration is asked per piece, with its bytes and algorithm
+    asked = []
+    edd_replay_order([rec("h", 0, 0, 64, algorithm="hierarchical")], 4, lambda n, a: asked.append((n, a)) or 0.0)
+    assert asked == [(64, "hierarchical")] and edd_replay_order([], 4, five_ms) == []
+
+
+def test_a_static_leader_with_a_reorder_publishes_the_reordered_recorded_step_and_checks_it():
+    seen = []
+
+    def backwards(recorded):
+        seen.extend(recorded)
+        return [r.name for r in reversed(recorded)]
+
+    def step0(leader):
+        u = Unstarted()
+        ready(leader, u, P(T("a", priority=0, submitted_us=7.0), 0, 4), P(T("b", priority=1, seq=1), 0, 3))
+        while (p := leader.next(u, 1, 0)) is not None:
+            u.started(p)
+            leader.issued(p)
+        return u
+
+    leader = StaticLeader(credit_bytes=100, reorder=backwards)
+    u = step0(leader)
+    assert leader.steps_over(u, 1) == [EndOfStep(0), Plan(("b#0", "a#0"))]  # issued a, b; replays b, a
+    assert [(r.name, r.ready_us, r.nbytes) for r in seen] == [("a#0", 7.0, 4), ("b#0", 0.0, 3)]
+    bad = StaticLeader(credit_bytes=100, reorder=lambda recorded: ["a#0"])
+    u = step0(bad)
+    with pytest.raises(CommschedError, match="not a permutation of its 2 pieces"):
+        bad.steps_over(u, 1)
 
 
 def test_static_follower_refuses_a_queued_tensor_the_plan_has_no_place_for():

@@ -134,8 +134,13 @@ def test_plan(model, sc: dict, rank: int, world: int) -> Plan:
              + [("layers.2.weight", i) for i in range(counts["layers.2.weight"])]
              + [(fused_name(low), 0)] + [("layers.0.weight", i) for i in range(counts["layers.0.weight"])])
     credit = sc["credit"] * (2 if sc["plan"] == "differs_on_rank1" and rank == 1 else 1)
+    topology = {}
+    if sc["plan_order"] == "observed":  # rank 0 reorders the recorded step on this link (edd_replay_order)
+        from commsched.costmodel.topology import Topology
+        topology = Topology.emulated(world, sc["nodes"] if sc["nodes"] > 1 else None, "1gbit").to_dict()
     return Plan(model=tuple(entries), groups=groups, pieces=tuple(PlannedPiece(t, i, algorithm) for t, i in order),
-                credit_bytes=credit, nodes=sc["nodes"], ranks_per_node=world // sc["nodes"], order=sc["plan_order"])
+                credit_bytes=credit, nodes=sc["nodes"], ranks_per_node=world // sc["nodes"], order=sc["plan_order"],
+                topology=topology)
 
 
 def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
