@@ -409,7 +409,7 @@ def edd_replay_order(recorded: Sequence[Recorded], credit_bytes: int,
     step, and the link serves the issued pieces one after another within ``credit_bytes``.
 
     Why: a replay of the order rank 0 *issued* carries that step's link speed. A step whose
-    communication was slow (the CPUs contended) queues the early layers' gradients behind each
+    communication was slow (the peer late, the CPUs contended) queues the early layers' gradients behind each
     other, and a later, faster step then waits, link idle, for a gradient the recorded order
     put first but the backward has not made yet. With ``seconds`` from the topology the plan
     was made for (the link as probed, not contended), the order keeps the link busy whenever
@@ -449,10 +449,11 @@ class _StaticMixin:
     """Shared by both static roles: the plan's checks and walk after the recorded step.
 
     ``record_step`` (``R``): steps ``0..R`` run as ``dynamic`` (rank 0 decides by priority and
-    publishes each decision); the order rank 0 issued in step ``R`` becomes the plan, walked
-    every step from ``R + 1`` on with no message. ``static`` records step 0; a plan whose
-    order is ``"observed"`` records :data:`commsched.plan.OBSERVED_STEP` (a warm step: step 0's
-    order is a warm-up's, docs/planner.md).
+    publishes each decision); the order rank 0 issued in step ``R`` (or its leader's
+    ``reorder`` of that step) becomes the plan, walked every step from ``R + 1`` on with no
+    message. ``static`` records step 0 as issued; a plan whose order is ``"observed"`` records
+    :data:`commsched.plan.OBSERVED_STEP` (a warm step: step 0 is a warm-up) and reorders it on
+    the plan's link (:func:`edd_replay_order`, docs/planner.md).
     """
 
     plan: _StaticPlan | None = None
