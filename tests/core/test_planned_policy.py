@@ -206,9 +206,13 @@ def test_make_policy_gives_an_observed_order_plan_statics_leader_and_followers()
     topo = Topology.emulated(2, None, "1gbit")
     linked = dataclasses.replace(plan, topology=topo.to_dict())
     with_link = make_policy(SchedulerConfig(ordering="planned", plan=linked), 0, 2, negotiates_order=False)
-    recorded = [Recorded("a#0", (0, 1, 0, 0), 0.0, 1 << 20, "ring"), Recorded("b#0", (0, 0, 1, 0), 1000.0, 8, "ring")]
-    assert with_link.inner.reorder(recorded) == ["a#0", "b#0"]  # a went alone; b waits for credit
-    assert edd_replay_order(recorded, 48, lambda n, a: allreduce_s(topo, n, a)) == ["a#0", "b#0"]
+    # as issued in a slow step: a#0, then b (urgent, ready at 5 ms) cut in before a#1 (both of a ready
+    # at 0, 32 B each: one at a time in the 48 B credit); on the probed link a is done before b is ready
+    recorded = [Recorded("a#0", (0, 1, 0, 0), 0.0, 32, "ring"), Recorded("b#0", (0, 0, 1, 0), 5000.0, 32, "ring"),
+                Recorded("a#1", (0, 1, 0, 1), 0.0, 32, "ring")]
+    assert 2 * allreduce_s(topo, 32, "ring") < 0.005
+    assert with_link.inner.reorder(recorded) == ["a#0", "a#1", "b#0"]
+    assert edd_replay_order(recorded, 48, lambda n, a: 1.0) == ["a#0", "b#0", "a#1"]  # a slow link: as issued
     replayed = replay_policy("planned", None, plan)  # one deciding rank: step 0's order is its priority order
     assert isinstance(replayed, PlanCutPriority) and isinstance(replayed.inner, PriorityPolicy)
     assert len({plan.digest, make_plan(issue="priority").digest, make_plan().digest}) == 3
