@@ -25,8 +25,10 @@ the spread of those periods (half the inter-quartile range, at least 0.5 % of th
 The first samples are the start points (the cost model's recommendations when there are any,
 :func:`model_starts`: the planner's plan where it is predicted ahead of the runtime settings
 by more than the model's error, then the advised runtime setting), the config's own settings
-and plain ``fifo`` without partition or credit (which wins where communication is hidden
-already); then a sampler proposes (Optuna's TPE: ask/tell over the
+and plain ``fifo`` without partition or credit, cross-iteration and then on the synchronous
+path (``step()`` waits and applies once, as DDP: what wins where communication is hidden already
+and the cores are busy; the synchronous one only where the driver may switch paths); then a
+sampler proposes (Optuna's TPE: ask/tell over the
 discrete :class:`SearchSpace`). A sample replaces the incumbent only if its median beats
 the incumbent's by more than both spreads; such a winner is *confirmed* by a second sample
 of the same setting before it is kept (the incumbent is thus always measured at least
@@ -82,6 +84,10 @@ class Settings:
     #: holds the plan itself and sends it with the decision); its sizes and credit are the plan's
     #: (``partition_bytes`` and ``fusion_bytes`` 0: the plan's own per group); "" for the other orderings
     plan: str = ""
+    #: False: the synchronous path (``SchedulerConfig(cross_iteration=False)``): ``step()`` waits for
+    #: every reduction and runs the wrapped optimizer once, as DDP does. No forward waits and no
+    #: per-layer applies; what wins where communication is hidden already and the cores are busy
+    cross_iteration: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,13 +95,14 @@ class Settings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Settings":
         return cls(str(data["ordering"]), int(data["partition_bytes"]), int(data["credit_bytes"]),
-                   int(data["fusion_bytes"]), str(data.get("plan", "")))
+                   int(data["fusion_bytes"]), str(data.get("plan", "")), bool(data.get("cross_iteration", True)))
 
     def describe(self) -> str:
         if self.ordering == PLANNED:
             return f"planned (plan {self.plan[:12]}, credit={_size(self.credit_bytes)})"
         return (f"{self.ordering} partition={_size(self.partition_bytes)} credit={_size(self.credit_bytes)} "
-                f"fusion={_size(self.fusion_bytes) if self.fusion_bytes else 'off'}")
+                f"fusion={_size(self.fusion_bytes) if self.fusion_bytes else 'off'}"
+                + ("" if self.cross_iteration else " synchronous"))
 
 
 def _size(n: int) -> str:
@@ -112,6 +119,9 @@ class SearchSpace:
     partitions: tuple[int, ...] = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, UNLIMITED_BYTES)
     credits: tuple[int, ...] = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, UNLIMITED_BYTES)
     fusions: tuple[int, ...] = (0, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
+    #: cross-iteration overlap on (True) or the synchronous path (False); ``(False,)`` where the user
+    #: asked for the synchronous path, ``(True, False)`` where the tuner may choose
+    cross_iterations: tuple[bool, ...] = (True, False)
 
     def __post_init__(self) -> None:
         known = ("dynamic", "static", "fifo")
@@ -123,6 +133,10 @@ class SearchSpace:
                 raise ValueError(f"SearchSpace.{name}={values!r} must be a non-empty tuple of byte counts")
         if any(v <= 0 for v in self.partitions + self.credits):
             raise ValueError("SearchSpace partitions and credits must be positive byte counts")
+        if not self.cross_iterations or any(not isinstance(v, bool) for v in self.cross_iterations) or \
+                len(set(self.cross_iterations)) != len(self.cross_iterations):
+            raise ValueError(f"SearchSpace.cross_iterations={self.cross_iterations!r}: use (True, False), (True,) "
+                             "or (False,)")
 
     def nearest(self, s: Settings) -> Settings:
         """``s`` moved onto the grid (each value to the nearest choice; an unknown ordering to the first)."""
@@ -130,7 +144,8 @@ class SearchSpace:
             return min(values, key=lambda c: (abs(c - v), c))
         return Settings(s.ordering if s.ordering in self.orderings else self.orderings[0],
                         near(self.partitions, s.partition_bytes), near(self.credits, s.credit_bytes),
-                        near(self.fusions, s.fusion_bytes))
+                        near(self.fusions, s.fusion_bytes), cross_iteration=s.cross_iteration
+                        if s.cross_iteration in self.cross_iterations else self.cross_iterations[0])
 
 
 class Sampler(Protocol):
@@ -157,7 +172,8 @@ class OptunaSampler:
         self._dists = {"ordering": optuna.distributions.CategoricalDistribution(space.orderings),
                        "partition_bytes": optuna.distributions.CategoricalDistribution(space.partitions),
                        "credit_bytes": optuna.distributions.CategoricalDistribution(space.credits),
-                       "fusion_bytes": optuna.distributions.CategoricalDistribution(space.fusions)}
+                       "fusion_bytes": optuna.distributions.CategoricalDistribution(space.fusions),
+                       "cross_iteration": optuna.distributions.CategoricalDistribution(space.cross_iterations)}
         self._study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(
             seed=seed, n_startup_trials=5))
         self._space = space

@@ -404,8 +404,9 @@ BREAKDOWN_HOW = {
     "forward_s": "wall time of zero_grad() + forward + loss on the training thread (perf_counter)",
     "forward_compute_s": "forward_s - forward_wait_s - apply_in_forward_s, per step",
     "forward_wait_s": "commsched: the bubble of opt.stats() (time the forward pre-hooks blocked on "
-                      "communication; step() never waits under cross_iteration); others: 0 (their forward "
-                      "does not wait on communication)",
+                      "communication; step() never waits under cross_iteration); commsched on the "
+                      "synchronous path (sync, cross_iteration=False) and others: 0 (their forward does not "
+                      "wait on communication; the synchronous path waits in step())",
     "apply_in_forward_s": "optimizer step() calls inside the forward (commsched applies each layer in its "
                           "pre-hook), timed by torch's global optimizer step hooks, innermost calls only",
     "backward_s": "wall time of loss.backward() (DDP: includes waiting for its buckets; commsched: "
@@ -460,7 +461,10 @@ def _rank_breakdown(r: dict, commsched: bool) -> dict[str, Any]:
     a_bwd = (apply.get("backward") or zero)[:n]
     a_step = (apply.get("step") or zero)[:n]
     bubbles = r.get("bubble_s") if commsched else None
-    wait = bubbles[-n:] if bubbles and len(bubbles) >= n else zero
+    # the synchronous path (cross_iteration=False: ``sync``, or ``auto`` settled on it) waits in step(),
+    # inside step_call_s, never in the forward
+    synchronous = (r.get("stats") or {}).get("cross_iteration") is False
+    wait = bubbles[-n:] if bubbles and len(bubbles) >= n and not synchronous else zero
     if not (len(fwd) == len(bwd) == len(call) == n and len(a_fwd) == len(a_step) == n):
         return {}
     out: dict[str, Any] = {

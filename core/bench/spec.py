@@ -15,8 +15,10 @@ SIZED_KINDS = ("dynamic", "static")
 COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned", "auto")
 #: commsched strategies: the orderings, ``hierarchical`` (``dynamic`` with every piece
 #: reduced by the two-level algorithm, to attribute the algorithm's gain alone) and ``slack``
-#: (``dynamic`` ranked by the seed's slack rule, ``priority="slack"``)
-COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical", "slack")
+#: (``dynamic`` ranked by the seed's slack rule, ``priority="slack"``) and ``sync`` (``fifo`` on the
+#: synchronous path, ``cross_iteration=False``: ``step()`` waits for every reduction and runs the
+#: wrapped optimizer once, as DDP does; the setting for where communication is already hidden)
+COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical", "slack", "sync")
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class StrategySpec:
     """A parsed ``--strategies`` entry."""
 
     name: str  # as the user wrote it, e.g. "ddp:4"
-    kind: str  # ddp | horovod | fifo | dynamic | static | planned | auto | hierarchical | slack | allreduce
+    kind: str  # ddp | horovod | fifo | sync | dynamic | static | planned | auto | hierarchical | slack | allreduce
     bucket_mb: float | None = None
     #: ``dynamic:<partition>/<credit>``: this strategy's own piece size and credit in bytes
     #: (``UNLIMITED_BYTES`` for ``none``); None: the run's ``--partition-mb``/``--credit-mb``
@@ -61,7 +63,7 @@ def _sized(name: str, kind: str, arg: str) -> StrategySpec:
 
 
 def parse_strategies(text: str) -> list[StrategySpec]:
-    """Parse ``"ddp,ddp:4,horovod,fifo,dynamic,dynamic:1MiB/4MiB,static,auto,planned,hierarchical,slack"``;
+    """Parse ``"ddp,ddp:4,horovod,fifo,sync,dynamic,dynamic:1MiB/4MiB,static,auto,planned,hierarchical,slack"``;
     ``ValueError`` on a bad entry."""
     specs = []
     for raw in text.split(","):
@@ -86,7 +88,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
             specs.append(_sized(name, kind, arg))
         else:
             raise ValueError(
-                f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, "
+                f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, sync, "
                 "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, slack or allreduce"
             )
     if not specs:

@@ -50,7 +50,8 @@ from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
-from commsched.tuner import PLANNED, UNLIMITED_BYTES, AgreedSwitch, Decision, Settings, Tuner, model_starts
+from commsched.tuner import (PLANNED, UNLIMITED_BYTES, AgreedSwitch, Decision, SearchSpace, Settings, Tuner,
+                             model_starts)
 from commsched.plugins.torch.backends import default_store, make_backend, resolve_backend
 from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
@@ -672,16 +673,23 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         of the first steps on the topology (:func:`commsched.tuner.model_starts`: the planner's plan
         where it is predicted more than :data:`AUTO_PLAN_MIN_GAIN` ahead, then the advised setting),
         then the config's own settings and plain fifo without partition or credit."""
+        cross = self._requested.cross_iteration
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
-                       self._requested.fusion_bytes)
-        plain_fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, self._requested.fusion_bytes)
+                       self._requested.fusion_bytes, cross_iteration=cross)
+        plain_fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, self._requested.fusion_bytes,
+                              cross_iteration=cross)
+        # The synchronous path is the tuner's to choose only where the user asked for cross-iteration
+        # (a user who asked for the synchronous path reads p.grad or uses a closure or AMP: it stays).
+        space = SearchSpace(cross_iterations=(True, False) if cross else (False,))
+        last = (plain_fifo, dataclasses.replace(plain_fifo, cross_iteration=False)) if cross else (plain_fifo,)
         found = model_starts(self.profile(), self._topology_or_default(), self._requested.fusion_bytes,
                              plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S)
         for note in found.notes:
             tuner_log.info("%s", note)
         self._auto_plans, self._auto_notes = found.plans, list(found.notes)
-        starts = found.starts or [own]
-        return Tuner(starts[0], extra_starts=(*starts[1:], own, plain_fifo), **TUNER_OPTIONS)
+        starts = [s if s.ordering == PLANNED or s.cross_iteration in space.cross_iterations
+                  else dataclasses.replace(s, cross_iteration=cross) for s in found.starts] or [own]
+        return Tuner(starts[0], extra_starts=(*starts[1:], own, *last), space=space, **TUNER_OPTIONS)
 
     def _with_plan(self, decision: Decision) -> Decision:
         """Rank 0: a decision to run a planned start carries its plan, for every rank."""
@@ -700,13 +708,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             raise CommschedError(f"rank 0 could not choose the settings for ordering="
                                  f"{self._requested.ordering!r} at step {decided}: {decision.error}; pass the "
                                  "settings yourself (ordering='dynamic', or a plan file for 'planned')")
-        if decision.plan is not None:
-            self._rebuild(dataclasses.replace(self.config, ordering="planned", plan=None),
+        if decision.plan is not None:  # a plan runs on the path the user asked for
+            self._rebuild(dataclasses.replace(self.config, ordering="planned", plan=None,
+                                              cross_iteration=self._requested.cross_iteration),
                           plan=Plan.from_dict(decision.plan))
         elif decision.settings is not None:
             st = decision.settings
             self._rebuild(dataclasses.replace(self.config, ordering=st.ordering, partition_bytes=st.partition_bytes,
-                                              credit_bytes=st.credit_bytes, fusion_bytes=st.fusion_bytes, plan=None))
+                                              credit_bytes=st.credit_bytes, fusion_bytes=st.fusion_bytes, plan=None,
+                                              cross_iteration=st.cross_iteration))
 
     def _rebuild(self, config: SchedulerConfig, plan: Optional[Plan] = None) -> None:
         """Replace the scheduler with one of ``config`` (and ``plan``), with nothing in flight: every
@@ -725,6 +735,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._epoch += 1
         prefix = f"{self._prefix}/e{self._epoch}"
         self.config = config
+        # Nothing is in flight and every update is applied (synchronize() above), so the path may change
+        # here: the hooks read it per gradient and per step (auto's tuner may choose the synchronous path).
+        self._cross = config.cross_iteration
         try:
             if plan is not None:
                 self._start_plan(self._store, prefix, source=plan)
@@ -1155,6 +1168,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                      "read unreduced p.grad); call opt.synchronize() before scaler.unscale_(opt)")
             self._ready(self._params, "step")  # waits (counted as bubble) and lands averaged grads in p.grad
             loss = self.optimizer.step(closure) if grad_scaler is None else self._scaled_update(grad_scaler)
+            if self._requested.cross_iteration:
+                # auto's tuner chose this path for a user who asked for cross-iteration, where p.grad is None
+                # after every step: so it stays (a loop that never zeroes p.grad would sum two steps' gradients)
+                for s in self._params:
+                    s.param.grad = None
         else:
             snapshots = {id(g): {k: v for k, v in g.items() if k != "params"} for g in self.param_groups}
             for s in self._params:
@@ -1259,7 +1277,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                       switches=list(self._switches), next_decision=self._next_decision,
                                       pending_decision=self._pending_decision, model=list(self._auto_notes),
                                       settings={k: self.config.__dict__[k] for k in (
-                                          "ordering", "partition_bytes", "credit_bytes", "fusion_bytes")})}
+                                          "ordering", "partition_bytes", "credit_bytes", "fusion_bytes",
+                                          "cross_iteration")})}
         return {
             "steps": self._steps,
             "bubble_s": list(self._bubbles),

@@ -96,6 +96,15 @@ def test_breakdown_of_a_peer_waits_nowhere_in_forward_and_shows_its_step_wait():
     assert b["decision_latency"] is None
 
 
+def test_breakdown_of_the_synchronous_path_puts_its_wait_in_step_not_in_the_forward():
+    """``sync`` (or ``auto`` settled on cross_iteration=False): the bubble is step()'s wait for the reductions."""
+    ranks = [_rank(True, bubbles=[0.03] * 4, follower_stats={"cross_iteration": False}) for _ in range(2)]
+    b = breakdown(PhaseResult("sync", "ok", ranks))
+    assert b["forward_wait_s"] == 0 and b["forward_compute_s"] == pytest.approx(0.4 - 0.03)
+    cross = breakdown(PhaseResult("fifo", "ok", [_rank(True, bubbles=[0.03] * 4) for _ in range(2)]))
+    assert cross["forward_wait_s"] == pytest.approx(0.03)
+
+
 def test_the_report_prints_the_breakdown_table():
     base = {"param_bytes": 1000, "num_params": 250, "layers": [], "forward_s": [0.2] * 3,
             "backward_s": [0.4] * 3, "optimizer_s": [0.05] * 3, "one_worker_s": [0.6] * 3,

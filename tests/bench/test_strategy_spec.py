@@ -30,6 +30,13 @@ def test_slack_is_a_commsched_strategy():
     assert spec.kind == "slack" and spec.is_commsched
 
 
+def test_sync_is_a_commsched_strategy_named_in_the_error():
+    (spec,) = parse_strategies("sync")
+    assert spec.kind == "sync" and spec.is_commsched
+    with pytest.raises(ValueError, match="fifo, sync, "):
+        parse_strategies("synch")
+
+
 def test_the_auto_warm_up_runs_while_the_tuner_searches_by_what_every_rank_knows():
     """The bench warms ``auto`` up until its tuner settles: judged from the agreed decisions (next and
     pending decision, switches), which every rank has alike, never from rank 0's private phase."""

@@ -65,6 +65,47 @@ def test_converges_to_plain_fifo_where_communication_is_hidden_and_stops_within_
     assert all(run == k + 2 for k, run in out["applied"]) and out["applied"]
 
 
+def test_where_the_cores_are_busy_it_settles_on_the_synchronous_path():
+    """The synchronous path (no forward waits, one optimizer call a step) 8 % ahead of the same settings
+    cross-iteration: the start point that has it wins and is kept, and TPE's samples (every one of them
+    scored 8 % worse cross-iteration) do not replace it."""
+    def busy_cores(s: Settings) -> float:
+        return hidden_comm(s) * (0.92 if not s.cross_iteration else 1.0)
+
+    sync = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, 256 << 10, cross_iteration=False)
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN, sync), seed=0)
+    out = drive(tuner, busy_cores, 400)
+    assert tuner.phase == "settled", tuner.stats()
+    assert out["running"].cross_iteration is False and out["running"].ordering == "fifo", out["running"]
+    assert busy_cores(out["running"]) <= busy_cores(sync) * 1.02
+
+
+def test_a_space_without_the_synchronous_path_never_proposes_it():
+    """Where the user asked for one path (the synchronous one: p.grad, a closure, AMP), TPE proposes only it
+    and a start point off the grid is told to the sampler at its nearest point, on that path."""
+    pytest.importorskip("optuna")
+    from commsched.tuner import OptunaSampler
+
+    space = SearchSpace(cross_iterations=(False,))
+    sampler = OptunaSampler(space, seed=0)
+    assert all(sampler.ask().cross_iteration is False for _ in range(12))
+    sampler.tell(FIFO_PLAIN, 0.1)  # cross-iteration: stored at its nearest point, synchronous
+    assert space.nearest(FIFO_PLAIN).cross_iteration is False
+    with pytest.raises(ValueError, match="cross_iterations"):
+        SearchSpace(cross_iterations=())
+    with pytest.raises(ValueError, match="cross_iterations"):
+        SearchSpace(cross_iterations=(1, 0))
+
+
+def test_settings_carry_the_path_through_a_decision_and_read_old_ones_as_cross_iteration():
+    sync = Settings("dynamic", MIB, 4 * MIB, 0, cross_iteration=False)
+    again = Decision.decode(Decision(settings=sync, next=9, reason="r").encode()).settings
+    assert again == sync and again.cross_iteration is False
+    assert "synchronous" in sync.describe() and "synchronous" not in DEFAULT.describe()
+    old = {k: v for k, v in DEFAULT.to_dict().items() if k != "cross_iteration"}  # a decision of before
+    assert Settings.from_dict(old) == DEFAULT and DEFAULT.cross_iteration is True
+
+
 def test_a_better_sample_is_confirmed_by_a_second_measurement_before_it_is_kept():
     tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0)
     drive(tuner, hidden_comm, 400)

@@ -101,7 +101,7 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
                          alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0,
-                         auto_plan=False, plan_order="fixed")
+                         auto_plan=False, plan_order="fixed", auto_sync_first=False)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -169,6 +169,13 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         optimizer_module.TUNER_OPTIONS.update(sample_steps=2, settle=1, max_samples=6, check_every=4)
         # auto_plan: the planner's plan is a start whatever its predicted gain (measured first)
         optimizer_module.AUTO_PLAN_MIN_GAIN = -1.0 if sc["auto_plan"] else None
+        import commsched.tuner as tuner_module
+        optimizer_module.model_starts = tuner_module.model_starts  # undo an earlier scenario's stand-in
+        if sc["auto_sync_first"]:  # the model's only start: plain fifo on the synchronous path; then the
+            # config's own dynamic (cross-iteration): the path changes twice, both within the starts
+            from commsched.tuner import UNLIMITED_BYTES, ModelStarts, Settings
+            sync = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, sc["fusion"], cross_iteration=False)
+            optimizer_module.model_starts = lambda *a, **k: ModelStarts([sync], {}, ["test: synchronous first"])
     started = time.monotonic()
     opt = None
     try:
@@ -189,6 +196,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
             ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
         rng = random.Random(rank * 7919)
+        grads_kept: list[bool] = []
+        grads_after_step: list[bool] = []
         if sc["delay"] > 0:
             for p in model.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: time.sleep(rng.random() * sc["delay"]))
@@ -208,7 +217,10 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                 loss_of(sc["model"], ref(x), y).backward()
             if rank == sc["die_rank"] and step == sc["die_step"]:
                 os._exit(3)  # a rank dies mid-training, with pieces in flight
+            # which path ran: cross-iteration takes every p.grad in backward, the synchronous one leaves it
+            grads_kept.append(any(p.grad is not None for p in model.parameters()))
             opt.step()
+            grads_after_step.append(any(p.grad is not None for p in model.parameters()))
             if sc["unused_on_rank"] >= 0 or sc["die_rank"] >= 0:
                 continue  # the reference would mismatch in its own all-reduces; only the error matters
             for p in ref.parameters():
@@ -254,7 +266,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         result.update(bitwise=bitwise, param_sha256=digest.hexdigest(), max_diff=max(diffs.values()), diffs=diffs,
                       stats={k: v for k, v in stats.items() if k != "scheduler"},
                       order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"],
-                      expected_pieces=expected_pieces,
+                      expected_pieces=expected_pieces, grads_kept=grads_kept, grads_after_step=grads_after_step,
                       max_in_flight_bytes=stats["scheduler"]["max_in_flight_bytes"])
     except Exception as exc:  # reported to the test, which asserts on it
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -268,6 +268,8 @@ def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise
              {"ordering": "auto", "optimizer": "adamw", "fast_tuner": True, "steps": 22, "delay": 0.002,
               "lr_scheduler": True},
              {"ordering": "auto", "optimizer": "adam", "fast_tuner": True, "steps": 26, "auto_plan": True},
+             {"ordering": "auto", "optimizer": "adam", "fast_tuner": True, "steps": 20, "auto_sync_first": True,
+              "fusion": 4096},
              {"ordering": "planned", "optimizer": "adam", "steps": 9},
              {"ordering": "planned", "optimizer": "sgd_momentum", "steps": 8, "cross": 0}]
     results = ranks(2, *scenarios(*items), timeout=220)
@@ -289,3 +291,15 @@ def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise
                 assert tuner_a["switches"][0]["plan"] is True and changed[0]["settings"]["ordering"] == "planned"
                 assert tuner_a["history"][0]["settings"]["ordering"] == "planned"
                 assert any(s["settings"]["ordering"] != "planned" for s in changed[1:]), tuner_a["switches"]
+            paths = [s["settings"]["cross_iteration"] for s in changed]
+            if a["scenario"]["auto_sync_first"]:  # onto the synchronous path and off it again, bitwise throughout
+                assert paths[:2] == [False, True], tuner_a["switches"]
+                synchronous, path = [], True  # per step, the path the switches put it on (cross-iteration first)
+                for k in range(a["scenario"]["steps"]):
+                    path = next((s["settings"]["cross_iteration"] for s in changed if s["applies_from"] == k), path)
+                    synchronous.append(not path)
+                for r in (a, b):  # p.grad after backward: kept on that path only; after step(): None, as asked
+                    assert r["grads_kept"] == synchronous, (r["grads_kept"], tuner_a["switches"])
+                    assert not any(r["grads_after_step"]), r["grads_after_step"]
+            if not a["scenario"]["cross"]:  # the user's synchronous path is never left
+                assert not any(paths), tuner_a["switches"]

@@ -164,7 +164,7 @@ class CommschedStrategy(Strategy):
     def __init__(self, model: nn.Module, make_opt: Callable, ordering: str,
                  partition_bytes: int, credit_bytes: int, timeline: str | None, *,
                  plan: str | None = None, hierarchical: tuple[int, int] | None = None,
-                 topology: Any = None, priority: str = "layer") -> None:
+                 topology: Any = None, priority: str = "layer", cross_iteration: bool = True) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -177,7 +177,7 @@ class CommschedStrategy(Strategy):
             partition_bytes = credit_bytes = UNLIMITED_BYTES
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
-            cross_iteration=True, timeline=timeline, plan=plan, priority=priority,
+            cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config, topology=topology)
@@ -383,6 +383,9 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                                      run_spec["credit_bytes"], timeline, topology=topology, priority="slack")
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
                                  timeline, topology=topology)
+    if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
+        return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
+                                 cross_iteration=False)
     if spec.kind == "hierarchical":
         nodes = run_spec["nodes"]
         return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
