@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from commsched.config import parse_size
@@ -32,6 +33,9 @@ class StrategySpec:
     #: (``UNLIMITED_BYTES`` for ``none``); None: the run's ``--partition-mb``/``--credit-mb``
     partition_bytes: int | None = None
     credit_bytes: int | None = None
+    #: ``<commsched strategy>+tied``: with ``split_tied_embeddings=True`` (PyTorch: a tied embedding's
+    #: projection part reduced as soon as backward made it, its lookup part exchanged as rows)
+    split_tied: bool = False
 
     @property
     def is_commsched(self) -> bool:
@@ -70,29 +74,42 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         name = raw.strip()
         if not name:
             continue
-        kind, _, arg = name.partition(":")
-        if kind == "ddp":
-            mb = None
-            if arg:
-                try:
-                    mb = float(arg)
-                except ValueError:
-                    mb = -1.0
-                if not mb > 0:
-                    raise ValueError(f"strategy {name!r}: bucket size must be a positive "
-                                     "number of MB, e.g. ddp:4")
-            specs.append(StrategySpec(name, "ddp", mb))
-        elif kind in ("horovod", "allreduce", *COMMSCHED_KINDS) and not arg:
-            specs.append(StrategySpec(name, kind))
-        elif kind in SIZED_KINDS:
-            specs.append(_sized(name, kind, arg))
+        base, plus, modifier = name.partition("+")
+        if plus:
+            spec = _one(base)
+            if modifier != "tied" or not spec.is_commsched:
+                raise ValueError(f"strategy {name!r}: the one modifier is +tied, on a commsched strategy "
+                                 f"(e.g. dynamic+tied: split tied embeddings)")
+            specs.append(dataclasses.replace(spec, name=name, split_tied=True))
         else:
-            raise ValueError(
-                f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, sync, "
-                "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, slack or allreduce"
-            )
+            specs.append(_one(name))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"strategy listed twice in {text!r}")
     return specs
+
+
+def _one(name: str) -> StrategySpec:
+    """One ``--strategies`` entry without a modifier."""
+    kind, _, arg = name.partition(":")
+    if kind == "ddp":
+        mb = None
+        if arg:
+            try:
+                mb = float(arg)
+            except ValueError:
+                mb = -1.0
+            if not mb > 0:
+                raise ValueError(f"strategy {name!r}: bucket size must be a positive "
+                                 "number of MB, e.g. ddp:4")
+        return StrategySpec(name, "ddp", mb)
+    if kind in ("horovod", "allreduce", *COMMSCHED_KINDS) and not arg:
+        return StrategySpec(name, kind)
+    if kind in SIZED_KINDS:
+        return _sized(name, kind, arg)
+    raise ValueError(
+        f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, sync, "
+        "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, slack or allreduce "
+        "(a commsched one with +tied to split tied embeddings)"
+    )

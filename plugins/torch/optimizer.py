@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import inspect
 import itertools
 import logging
@@ -180,7 +181,7 @@ class _ParamState:
     """Bookkeeping for one parameter."""
 
     __slots__ = ("name", "param", "group", "priority", "future", "grad", "copy_back", "passes", "hyper",
-                 "cuda", "fusion")
+                 "cuda", "fusion", "split")
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: dict, priority: int) -> None:
         self.name = name
@@ -194,6 +195,7 @@ class _ParamState:
         self.hyper: Optional[dict] = None  # the group's hyperparameters when step() ended this gradient's step
         self.cuda: Optional[CudaTask] = None  # the stream/event record of the gradient in flight (CUDA)
         self.fusion: Optional["_Fusion"] = None  # the group this gradient is reduced in, if fused with others
+        self.split: Any = None  # split_tied_embeddings: the TiedSplit that adds the lookup's rows (tied.py)
 
 
 class _Fusion:
@@ -288,6 +290,29 @@ def _load_topology(topology: Any) -> Any:
                     f"probe --json topology.json`), got {type(topology).__name__}")
 
 
+def _check_split(split: Any, model: Any, backend: str, process_group: Any,
+                 passes: int) -> list[tuple[str, torch.nn.Embedding]]:
+    """``split_tied_embeddings``: the tied embeddings to split (empty when off); ``ValueError`` naming the
+    fix where the split cannot run."""
+    if not isinstance(split, bool):
+        raise TypeError(f"split_tied_embeddings={split!r} must be True or False")
+    if not split:
+        return []
+    why = ("it needs the model (model=your_module)" if model is None else
+           "it runs on torch.distributed (backend='torch'), not Horovod" if backend != "torch" else
+           "it runs on the default group's ranks (leave process_group=None)" if process_group is not None else
+           "it exchanges each backward's rows once a step (backward_passes_per_step=1)" if passes != 1 else None)
+    if why:
+        raise ValueError(f"split_tied_embeddings=True: {why}; or drop split_tied_embeddings")
+    from commsched.plugins.torch.tied import find_tied_embeddings
+
+    tied = find_tied_embeddings(model)
+    if not tied:
+        raise ValueError("split_tied_embeddings=True, but the model has no nn.Embedding whose weight another module "
+                         "registers too (e.g. lm_head.weight = wte.weight); drop split_tied_embeddings")
+    return tied
+
+
 def _check_tuner_importable() -> None:
     import importlib.util
 
@@ -378,7 +403,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                  named_parameters: Optional[Iterable[tuple[str, torch.nn.Parameter]]] = None,
                  compression: Any = None, op: Any = None, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                 process_set: Any = None, topology: Any = None) -> None:
+                 process_set: Any = None, topology: Any = None, split_tied_embeddings: bool = False) -> None:
         # Every check runs before any thread, process group or hook exists.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer instance (e.g. "
@@ -424,6 +449,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 f"{type(optimizer).__name__} needs a closure that re-evaluates the loss on all gradients at once, "
                 "which per-parameter scheduled updates cannot provide; use it without commsched or reduce manually")
         backend = resolve_backend(backend)
+        tied = _check_split(split_tied_embeddings, model, backend, process_group, backward_passes_per_step)
         if backend == "horovod" and process_group is not None:
             raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "
                              "Horovod ranks (leave process_group=None)")
@@ -533,7 +559,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._backend.close()
             raise
         self.timeline = self._scheduler.timeline
+        self._splits: list[Any] = []
         try:
+            if tied:
+                self._split_tied(tied)
             self._install_hooks()
             if broadcast and self.world_size > 1:
                 self._broadcast_from_rank0()
@@ -760,10 +789,36 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._close_splits()
         try:
             self._scheduler.close(5.0)
         except Exception:  # the constructor's own error is the one to report
             log.exception("closing the scheduler after a failed DistributedOptimizer constructor")
+
+    def _split_tied(self, tied: list[tuple[str, torch.nn.Embedding]]) -> None:
+        """``split_tied_embeddings``: one :class:`~commsched.plugins.torch.tied.TiedSplit` per tied
+        embedding, its rows exchanged on a process group of its own (made here by every rank, in one order)."""
+        from commsched.plugins.torch.tied import TiedSplit
+
+        options = {"timeout": datetime.timedelta(seconds=self.config.timeout_s)} if dist.get_backend() == "gloo" \
+            else {}
+        group = dist.new_group(backend=dist.get_backend(), **options) if self.world_size > 1 else None
+        scale = 1.0 / self.world_size if self._op == "average" else 1.0
+        for name, module in tied:
+            state = self._by_param.get(id(module.weight))
+            if state is None:
+                raise ValueError(f"split_tied_embeddings: the weight of tied embedding {name!r} is not among the "
+                                 "optimizer's parameters with a gradient; give the optimizer model.parameters()")
+            state.split = TiedSplit(name or "embedding", module, group=group, world_size=self.world_size,
+                                    scale=scale, timeout_s=self.config.timeout_s)
+            self._splits.append(state.split)
+
+    def _close_splits(self) -> None:
+        for split in getattr(self, "_splits", ()):
+            try:
+                split.close()
+            except Exception:  # noqa: BLE001 - closing must go on
+                log.exception("closing the split of tied embedding %r", split.name)
 
     # --------------------------------------------------------------- set-up
     @staticmethod
@@ -856,6 +911,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             states = sorted((s for s in self._params if id(s.param) in self._seen), key=lambda s: s.priority)
         else:
             states = list(self._params)
+        states = [s for s in states if s.split is None]  # a split tied embedding adds its rows to its own tensor
         groups = size_groups(states, self.config.fusion_bytes)
         self._fuse([(fused_name(s.name for s in g), [s.name for s in g]) for g in groups], strict=False)
 
@@ -992,7 +1048,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._sweep = False
             mine = {id(s) for s in pending}
             pending += [s for s in self._params if id(s) not in mine and s.future is not None and s.hyper is not None
-                        and s.cuda is None and s.future.done() and self._lean_group(s.group)]
+                        and s.cuda is None and s.future.done() and self._lean_group(s.group)
+                        and (s.split is None or s.split.done())]
         if not pending:
             return
         started = time.perf_counter()
@@ -1009,6 +1066,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         for s in pending:
             if s.cuda is not None:
                 self._wait_on_gpu(s)
+            if s.split is not None and s.split.pending():  # the lookup's rows, onto the averaged dense part
+                started = time.perf_counter()
+                s.split.add_into(s.grad)
+                self._bubble += time.perf_counter() - started
         if not self._cross:
             for s in pending:
                 self._land(s)
@@ -1158,6 +1219,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 f"step() ended a step in which fusion group {partial[0].name!r} got gradients for only part of its "
                 f"parameters ({partial[0].missing()[:5]} had none); every parameter of a planned group must get a "
                 "gradient every step, on every rank (use ordering='dynamic' for models with unused parameters)")
+        for s in self._params:
+            if s.split is not None and s.split.pending() and s.future is None and self._sync_enabled:
+                # a tied embedding whose projection did not run this step: its dense part is zero
+                zeros = torch.zeros_like(s.param)
+                if not self._cross:
+                    s.param.grad = zeros
+                self._submit_alone(s, zeros)
         if self._recording:
             self._finish_recording()
         self._scheduler.mark_step()
@@ -1292,6 +1360,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             **({"slack": dict(self._slack, alpha=self.config.slack_alpha)} if self._slack else {}),
             "fusion_bytes": self.config.fusion_bytes,
             "fused": {f.name: [m.name for m in f.members] for f in self._fusions},
+            # split_tied_embeddings: per tied embedding, the row exchanges done and the rows they carried
+            "tied_embeddings": {split.name: split.stats() for split in self._splits},
             "scheduler": sched,
             **({"plan": {"digest": self.plan.digest, "groups": len(self.plan.groups), "pieces": len(self.plan.pieces),
                          "fused_groups": len(self._fusions), "credit_bytes": self.plan.credit_bytes,
@@ -1340,6 +1410,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
+            self._close_splits()
             if self._tuner is not None:
                 self._tuner.close()  # its progress bar, on rank 0's terminal
             self._scheduler.close(timeout)

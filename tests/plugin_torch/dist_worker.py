@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import commsched
 from commsched.partition import piece_bounds
@@ -60,6 +61,32 @@ class Tied(nn.Module):
         return h @ self.embed.weight.t()
 
 
+class _Head(nn.Module):
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self.weight = embed.weight  # registered here too, as lm_head.weight = wte.weight
+
+    def forward(self, h):
+        return F.linear(h, self.weight)
+
+
+class GPT(nn.Module):
+    """Tied as GPT-2 and Hugging Face tie them: the head registers the embedding's weight (split_tied_embeddings
+    finds it). ``use_unused`` (the alternate-branch scenarios' switch): False skips the head, so that step's
+    weight gradient is the lookup's part alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16, padding_idx=0)
+        self.mix = nn.Linear(16, 16)
+        self.head = _Head(self.embed)
+        self.use_unused = True
+
+    def forward(self, idx):
+        h = torch.tanh(self.mix(self.embed(idx)))
+        return self.head(h) if self.use_unused else h
+
+
 class Branchy(nn.Module):
     """A branch that is never used (or used only on some ranks, with --unused-on-rank)."""
 
@@ -77,19 +104,19 @@ class Branchy(nn.Module):
 
 def build(kind, dtype):
     torch.manual_seed(1234)
-    return {"mlp": lambda: MLP(dtype), "tied": Tied, "branchy": Branchy}[kind]()
+    return {"mlp": lambda: MLP(dtype), "tied": Tied, "gpt": GPT, "branchy": Branchy}[kind]()
 
 
 def batch(kind, rank, step, dtype):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if kind == "tied":
+    if kind in ("tied", "gpt"):
         return torch.randint(0, 50, (8, 6), generator=g), None
     x = torch.randn(8, 16, generator=g).to(dtype)
     return x, torch.randn(8, 4, generator=g).to(dtype)
 
 
 def loss_of(kind, out, y):
-    if kind == "tied":
+    if kind in ("tied", "gpt"):
         return out.float().logsumexp(-1).mean()
     return ((out.float() - y.float()) ** 2).mean()
 
@@ -101,7 +128,7 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
                          alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0,
-                         auto_plan=False, plan_order="fixed", auto_sync_first=False)
+                         auto_plan=False, plan_order="fixed", auto_sync_first=False, split_tied=False)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -186,7 +213,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                                 inter=Link(50e-6, 1e4))  # very slow: the gradient dominates
         opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
                                    config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"],
-                                   topology=topology)
+                                   topology=topology, split_tied_embeddings=sc["split_tied"])
         result["hierarchical_threads"] = sum(t.name.startswith("commsched-hier-") for t in threading.enumerate())
         if sc["desync_init"]:  # the reference starts from rank 0's weights, as commsched broadcast them
             ref.load_state_dict(model.state_dict())

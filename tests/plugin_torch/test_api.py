@@ -121,6 +121,62 @@ def test_sparse_gradient_gets_a_clear_error_naming_the_parameter():
     opt.close()
 
 
+class _TiedLM(nn.Module):
+    """An embedding whose weight the head registers too (lm_head.weight = wte.weight)."""
+
+    def __init__(self, **embedding):
+        super().__init__()
+        self.wte = nn.Embedding(12, 4, **embedding)
+        self.lm_head = nn.Linear(4, 12, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.wte(ids))
+
+
+def test_split_tied_embeddings_finds_the_tie_and_refuses_what_it_cannot_split():
+    from commsched.plugins.torch.tied import find_tied_embeddings
+
+    model = _TiedLM()
+    assert [name for name, _ in find_tied_embeddings(model)] == ["wte"]
+    untied = nn.Sequential(nn.Embedding(12, 4), nn.Linear(4, 12))
+    assert find_tied_embeddings(untied) == []
+    with pytest.raises(ValueError, match="'wte' uses max_norm"):
+        find_tied_embeddings(_TiedLM(max_norm=1.0))
+    with pytest.raises(ValueError, match="no nn.Embedding whose weight another module"):
+        DistributedOptimizer(torch.optim.SGD(untied.parameters(), lr=0.1), untied, split_tied_embeddings=True)
+    with pytest.raises(ValueError, match="needs the model"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), split_tied_embeddings=True)
+    with pytest.raises(ValueError, match="backward_passes_per_step=1"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, split_tied_embeddings=True,
+                             backward_passes_per_step=2)
+    with pytest.raises(TypeError, match="True or False"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, split_tied_embeddings="yes")
+
+
+def test_split_tied_embeddings_trains_as_plain_sgd_on_one_rank_and_close_gives_the_forward_back():
+    """One rank: the projection's part plus the lookup's rows is the whole gradient (allclose to plain SGD);
+    the module's state_dict keys stay, and close() ends the exchange thread and restores the forward."""
+    model, ref = _TiedLM(), _TiedLM()
+    ref.load_state_dict(model.state_dict())
+    keys = list(model.state_dict())
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, split_tied_embeddings=True)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(4):
+        ids = torch.tensor([[1, 2, 2, 5], [5, 7, 1, step]])
+        opt.zero_grad()
+        model(ids).logsumexp(-1).mean().backward()
+        opt.step()
+        plain.zero_grad()
+        ref(ids).logsumexp(-1).mean().backward()
+        plain.step()
+    opt.synchronize()
+    assert torch.allclose(model.wte.weight, ref.wte.weight, atol=1e-6)
+    assert list(model.state_dict()) == keys and opt.stats()["tied_embeddings"]["wte"]["exchanges"] == 4
+    opt.close()
+    assert "forward" not in model.wte.__dict__ and not commsched_threads()
+
+
 def test_optimizer_over_other_parameters_is_refused():
     model, other = small(), small()
     with pytest.raises(ValueError, match="not in model.named_parameters"):

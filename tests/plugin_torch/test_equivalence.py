@@ -91,6 +91,34 @@ def test_tied_unused_fp16_lr_scheduler_state_dict_accumulation_and_sync_path(ran
     assert tied["stats"]["priorities"] == {"embed.weight": 0, "mix.weight": 1, "mix.bias": 2}
 
 
+@pytest.mark.timeout(200)
+def test_split_tied_embeddings_stay_allclose_and_send_the_projection_part_first(ranks):
+    """split_tied_embeddings: the head's part of the tied weight is reduced as soon as backward made it (first
+    in the step's order, where without the split the weight waits for the lookup, last in backward) and the
+    lookup's rows are exchanged once a step; allclose to the reference on both paths, in static order, with
+    fusion (the split weight stays alone), and when the head is skipped every other step (its part is zero)."""
+    split = {"model": "gpt", "split_tied": True}
+    items = [{"model": "gpt", "optimizer": "adam"},  # no split: bitwise, and the weight goes last
+             dict(split, optimizer="adam"), dict(split, optimizer="sgd_momentum", cross=0),
+             dict(split, optimizer="adam", ordering="static"), dict(split, optimizer="adam", fusion=1 << 16),
+             dict(split, optimizer="adam", alternate_branch=True, steps=6)]
+    results = ranks(2, *scenarios(*items), timeout=180)
+    plain = results[0][0]
+    check_all([r[:1] for r in results], exact=True)
+    check_all([r[1:] for r in results], exact=False)
+    first = [step["order"][0] for step in plain["order"].values()]
+    assert not any(name.startswith("embed.weight") for name in first), first
+    for a, b in zip(results[0][1:], results[1][1:], strict=True):
+        sc = a["scenario"]
+        assert a["order"] == b["order"], sc
+        assert a["stats"]["tied_embeddings"]["embed"]["exchanges"] == sc["steps"], a["stats"]["tied_embeddings"]
+        assert a["stats"]["tied_embeddings"]["embed"]["rows"] > 0
+        assert "embed.weight" not in [m for members in a["stats"]["fused"].values() for m in members], sc
+        if not sc["alternate_branch"]:  # with the head in every step, its part is ready first
+            first = [step["order"][0] for step in a["order"].values()]
+            assert all(name.startswith("embed.weight") for name in first), (sc, first)
+
+
 @pytest.mark.timeout(120)
 def test_gradient_on_one_rank_only_fails_on_every_rank_naming_it(ranks):
     results = ranks(2, *scenarios({"model": "branchy", "unused_on_rank": 1, "steps": 3}), timeout=100)

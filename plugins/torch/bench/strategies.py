@@ -164,7 +164,8 @@ class CommschedStrategy(Strategy):
     def __init__(self, model: nn.Module, make_opt: Callable, ordering: str,
                  partition_bytes: int, credit_bytes: int, timeline: str | None, *,
                  plan: str | None = None, hierarchical: tuple[int, int] | None = None,
-                 topology: Any = None, priority: str = "layer", cross_iteration: bool = True) -> None:
+                 topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
+                 split_tied: bool = False) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -180,7 +181,7 @@ class CommschedStrategy(Strategy):
             cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
-                                   config=config, topology=topology)
+                                   config=config, topology=topology, split_tied_embeddings=split_tied)
         if hierarchical is not None:  # every rank, before the first piece: it creates process groups
             opt._backend.use_hierarchical(*hierarchical, every_piece=True)
         super().__init__(model, opt)
@@ -231,12 +232,12 @@ class PlannedStrategy(CommschedStrategy):
     """
 
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
-                 timeline: str | None) -> None:
+                 timeline: str | None, split_tied: bool = False) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
         self.plan_info = _shared_plan(run_spec, rank, path)
         self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
-                         timeline, plan=path)
+                         timeline, plan=path, split_tied=split_tied)
 
     def stats(self) -> dict[str, Any]:
         info = dict(self.plan_info)
@@ -365,6 +366,7 @@ def init_horovod(spec: dict, rank: int) -> Any:
 def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                   run_spec: dict, rank: int, timeline: str | None) -> Strategy:
     """Build ``spec``'s strategy around ``model``; may raise :class:`StrategyUnavailable`."""
+    tied = spec.split_tied  # <commsched strategy>+tied: split tied embeddings
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
     if spec.kind == "allreduce":
@@ -372,7 +374,7 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     if spec.kind == "horovod":
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
     if spec.kind == "planned":
-        return PlannedStrategy(model, make_opt, run_spec, rank, timeline)
+        return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=tied)
     if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 
@@ -380,21 +382,22 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                                      run_spec.get("intra_bandwidth"))
         if spec.kind == "slack":
             return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
-                                     run_spec["credit_bytes"], timeline, topology=topology, priority="slack")
+                                     run_spec["credit_bytes"], timeline, topology=topology, priority="slack",
+                                     split_tied=tied)
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
-                                 timeline, topology=topology)
+                                 timeline, topology=topology, split_tied=tied)
     if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
         return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
-                                 cross_iteration=False)
+                                 cross_iteration=False, split_tied=tied)
     if spec.kind == "hierarchical":
         nodes = run_spec["nodes"]
         return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
                                  run_spec["credit_bytes"], timeline,
-                                 hierarchical=(nodes, run_spec["world_size"] // nodes))
+                                 hierarchical=(nodes, run_spec["world_size"] // nodes), split_tied=tied)
     # dynamic:<partition>/<credit> (a grid point): its own sizes; else the run's --partition-mb/--credit-mb
     partition = spec.partition_bytes if spec.partition_bytes is not None else run_spec["partition_bytes"]
     credit = spec.credit_bytes if spec.credit_bytes is not None else run_spec["credit_bytes"]
-    return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline)
+    return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline, split_tied=tied)
 
 
 def unavailable_reason(spec: StrategySpec) -> str | None:
