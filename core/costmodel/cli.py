@@ -535,7 +535,9 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     first = profile.layers[0].grad_bytes / max(1, profile.grad_bytes)
     if first > 0.2:
         reasons.append(f"the first layer is needed first, ready last and large ({first:.0%} of the gradient): its "
-                       "reduction cannot overlap with this step's backward")
+                       "reduction cannot overlap with this step's backward; if it is an embedding tied to the output "
+                       "layer, PyTorch's DistributedOptimizer(split_tied_embeddings=True) reduces the output layer's "
+                       "part during backward and the lookup's part as rows (docs/torch.md)")
     if algo != "ring" and algo_s < comm * 0.95:
         reasons.append(f"the {algo} algorithm would cut the all-reduce from {comm:.3g} s to {algo_s:.3g} s "
                        "(the topology planner chooses it per piece)")

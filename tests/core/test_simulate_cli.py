@@ -76,6 +76,16 @@ def test_advise_says_no_where_backward_hides_communication_and_yes_where_it_cann
     assert heavy["efficiency"] <= 1.0 + 1e-9
 
 
+def test_advise_names_the_tied_embedding_split_where_the_first_layer_is_large_and_ready_last():
+
+    layers = (LayerProfile("wte", 0.001, 0.002, tensors=(TensorSpec("wte.weight", 6_000_000, 4),)),
+              *(LayerProfile(f"block{i}", 0.01, 0.02, tensors=(TensorSpec(f"block{i}.w", 1_000_000, 4),))
+                for i in range(4)))
+    out = advise(Profile(layers=layers), Topology.emulated(2, None, "1gbit"))
+    reason = next(r for r in out["reasons"] if "needed first, ready last" in r)
+    assert "60%" in reason and "split_tied_embeddings=True" in reason
+
+
 def test_kendall_tau_counts_concordant_pairs():
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
