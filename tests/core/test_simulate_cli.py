@@ -77,7 +77,6 @@ def test_advise_says_no_where_backward_hides_communication_and_yes_where_it_cann
 
 
 def test_advise_names_the_tied_embedding_split_where_the_first_layer_is_large_and_ready_last():
-
     layers = (LayerProfile("wte", 0.001, 0.002, tensors=(TensorSpec("wte.weight", 6_000_000, 4),)),
               *(LayerProfile(f"block{i}", 0.01, 0.02, tensors=(TensorSpec(f"block{i}.w", 1_000_000, 4),))
                 for i in range(4)))
