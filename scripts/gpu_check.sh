@@ -2,8 +2,8 @@
 # Check commsched's CUDA path on a machine with a GPU, in under 5 minutes:
 #   scripts/gpu_check.sh [summary.json]      (default: $OUT/gpu_check.json, else ./gpu_check.json)
 # Runs, each under `timeout`: the CPU fake-stream tests, one NCCL rank (training equals plain
-# training), AMP (GradScaler on the synchronous path, refused cross-iteration), and two
-# processes on one GPU over gloo-on-CUDA. Writes a JSON summary (passed/failed per check,
+# training; with split_tied_embeddings too), AMP (GradScaler on the synchronous path, refused
+# cross-iteration), and two processes on one GPU over gloo-on-CUDA. Writes a JSON summary (passed/failed per check,
 # torch and CUDA versions, device name) and exits non-zero if any check failed or there is no GPU.
 set -u
 cd "$(dirname "$0")/.."
@@ -62,6 +62,7 @@ G=tests/plugin_torch/test_gpu.py
 run_check cpu_fake_streams 90 tests/plugin_torch/test_cuda_path.py
 run_check nccl_one_rank 60 "$G::test_nccl_cuda_training_equals_plain_training"
 run_check amp 60 "$G::test_amp_grad_scaler_on_the_synchronous_path_equals_plain_amp_on_cuda"
+run_check tied_split 60 "$G::test_split_tied_embeddings_on_cuda_equal_plain_training"
 run_check gloo_cuda_two_processes 90 "$G::test_two_processes_on_one_gpu_over_gloo_equal_the_averaged_reference"
 
 write_summary "$CHECKS" ""

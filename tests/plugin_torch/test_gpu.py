@@ -59,6 +59,50 @@ def test_nccl_cuda_training_equals_plain_training():
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(120)
+def test_split_tied_embeddings_on_cuda_equal_plain_training():
+    """split_tied_embeddings on the CUDA stream path (one NCCL rank): the projection's part reduced on the
+    communication stream, the lookup's rows added before the update; allclose to plain training."""
+    require_gpu()
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from commsched.plugins.torch import DistributedOptimizer
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(1000, 64)
+            self.mix = nn.Linear(64, 64)
+            self.lm_head = nn.Linear(64, 1000, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, ids):
+            return self.lm_head(torch.tanh(self.mix(self.wte(ids))))
+
+    _nccl_group()
+    try:
+        torch.manual_seed(0)
+        model, ref = TiedLM().cuda(), TiedLM().cuda()
+        ref.load_state_dict(model.state_dict())
+        opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model, split_tied_embeddings=True)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, foreach=False)
+        for step in range(5):
+            ids = torch.randint(0, 1000, (8, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                m(ids).logsumexp(-1).mean().backward()
+                o.step()
+        opt.synchronize()
+        torch.cuda.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert opt.stats()["tied_embeddings"]["wte"]["exchanges"] == 5
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def _nccl_group():
     import torch.distributed as dist
 
