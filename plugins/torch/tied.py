@@ -12,8 +12,8 @@ order (docs/bench.md, "Where the time goes": gpt2's ~0.2-0.3 s a step at 1 Gbit/
   projection's part only; its hook fires as soon as the projection's backward made it (first in
   backward) and the scheduler reduces it, dense, during the rest of backward;
 - the lookup's part is a handful of rows (one per distinct token of the batch, where the dense
-  form is vocab x dim of mostly zeros). A tap on the lookup's output takes its gradient in
-  backward; each rank sums its rows per token id, and a thread of this module all-gathers every
+  form is vocab x dim of mostly zeros). The lookup's own backward (a custom autograd function)
+  takes its output's gradient; each rank sums its rows per token id, and a thread of this module all-gathers every
   rank's ids and rows on a process group of its own (so it never interleaves with the
   scheduler's collectives);
 - before the update (cross-iteration: the embedding's forward pre-hook; synchronous: ``step()``)
@@ -67,14 +67,15 @@ def find_tied_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
     return found
 
 
-class _Tap(torch.autograd.Function):
-    """Identity on the lookup's output; its backward hands the output's gradient to the split."""
+class _Lookup(torch.autograd.Function):
+    """The embedding lookup on the detached weight (a fresh tensor, so in-place use of the output is
+    fine); its backward hands the output's gradient to the split instead of to the weight."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, anchor: torch.Tensor, ids: torch.Tensor,
+    def forward(ctx: Any, anchor: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
                 split: "TiedSplit") -> torch.Tensor:
         ctx.split, ctx.ids = split, ids
-        return out.view_as(out)
+        return F.embedding(ids, weight, split.module.padding_idx)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -101,7 +102,7 @@ class TiedSplit:
                  timeout_s: float) -> None:
         self.name, self.module, self.group = name, module, group
         self.world_size, self.scale, self.timeout_s = world_size, scale, timeout_s
-        # lets the lookup's output require grad without the weight: its gradient is never used
+        # lets the lookup's output require grad without the weight (its own gradient is always None)
         self._anchor = torch.zeros((), requires_grad=True)
         self._parts: list[_Exchange] = []  # this step's exchanges (one per backward through the lookup)
         self._queue: "queue.Queue[Any]" = queue.Queue()
@@ -114,10 +115,9 @@ class TiedSplit:
     # ------------------------------------------------------------ forward and backward (user's threads)
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         m = self.module
-        out = F.embedding(ids, m.weight.detach(), m.padding_idx)
         if torch.is_grad_enabled() and m.weight.requires_grad:
-            out = _Tap.apply(out, self._anchor, ids, self)
-        return out
+            return _Lookup.apply(self._anchor, m.weight.detach(), ids, self)
+        return F.embedding(ids, m.weight, m.padding_idx)
 
     def rows_ready(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Autograd's thread: this rank's rows, summed per token id, go to the exchange thread."""

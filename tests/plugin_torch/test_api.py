@@ -131,7 +131,9 @@ class _TiedLM(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     def forward(self, ids):
-        return self.lm_head(self.wte(ids))
+        h = self.wte(ids)
+        h.mul_(1.5)  # in place on the lookup's output, as some models scale it
+        return self.lm_head(h)
 
 
 def test_split_tied_embeddings_finds_the_tie_and_refuses_what_it_cannot_split():
