@@ -79,7 +79,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
             spec = _one(base)
             if modifier != "tied" or not spec.is_commsched:
                 raise ValueError(f"strategy {name!r}: the one modifier is +tied, on a commsched strategy "
-                                 f"(e.g. dynamic+tied: split tied embeddings)")
+                                 "(e.g. dynamic+tied: split tied embeddings)")
             specs.append(dataclasses.replace(spec, name=name, split_tied=True))
         else:
             specs.append(_one(name))

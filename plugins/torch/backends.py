@@ -121,6 +121,15 @@ def default_store() -> C10dStore:
     return C10dStore(store)
 
 
+def own_group(timeout_s: float) -> "dist.ProcessGroup":
+    """A new process group over the default group's ranks (every rank must call it, in one order). On
+    gloo its waits end after ``timeout_s``: a peer that died mid-collective cannot hold a gloo thread,
+    nor the group's teardown, for the default group's timeout (30 min unless the user set one). NCCL
+    keeps the user's: its watchdog would abort the process instead."""
+    options = {"timeout": datetime.timedelta(seconds=timeout_s)} if dist.get_backend() == "gloo" else {}
+    return dist.new_group(backend=dist.get_backend(), **options)
+
+
 class TorchBackend:
     """Pieces as asynchronous sum all-reduces on a torch.distributed process group.
 
@@ -154,11 +163,7 @@ class TorchBackend:
             # A group of our own: collectives the user issues on the default group
             # while pieces are still in flight (cross-iteration) cannot interleave
             # with ours in a different order on different ranks.
-            # On gloo its waits end with ours: a peer that died mid-collective cannot hold a gloo
-            # thread, nor the group's teardown, for the default group's timeout (30 min unless the
-            # user set one). NCCL keeps the user's: its watchdog would abort the process instead.
-            options = {"timeout": datetime.timedelta(seconds=self.timeout_s)} if dist.get_backend() == "gloo" else {}
-            group = dist.new_group(backend=dist.get_backend(), **options)
+            group = own_group(self.timeout_s)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

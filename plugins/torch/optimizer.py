@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import inspect
 import itertools
 import logging
@@ -53,7 +52,7 @@ from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
 from commsched.tuner import (PLANNED, UNLIMITED_BYTES, AgreedSwitch, Decision, SearchSpace, Settings, Tuner,
                              model_starts)
-from commsched.plugins.torch.backends import default_store, make_backend, resolve_backend
+from commsched.plugins.torch.backends import default_store, make_backend, own_group, resolve_backend
 from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
 from commsched.costmodel.profile import Profile
@@ -559,7 +558,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._backend.close()
             raise
         self.timeline = self._scheduler.timeline
-        self._splits: list[Any] = []
+        self._split_states: list[_ParamState] = []  # split_tied_embeddings: the tied weights' states
         try:
             if tied:
                 self._split_tied(tied)
@@ -800,9 +799,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         embedding, its rows exchanged on a process group of its own (made here by every rank, in one order)."""
         from commsched.plugins.torch.tied import TiedSplit
 
-        options = {"timeout": datetime.timedelta(seconds=self.config.timeout_s)} if dist.get_backend() == "gloo" \
-            else {}
-        group = dist.new_group(backend=dist.get_backend(), **options) if self.world_size > 1 else None
+        group = own_group(self.config.timeout_s) if self.world_size > 1 else None
         scale = 1.0 / self.world_size if self._op == "average" else 1.0
         for name, module in tied:
             state = self._by_param.get(id(module.weight))
@@ -811,14 +808,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                  "optimizer's parameters with a gradient; give the optimizer model.parameters()")
             state.split = TiedSplit(name or "embedding", module, group=group, world_size=self.world_size,
                                     scale=scale, timeout_s=self.config.timeout_s)
-            self._splits.append(state.split)
+            self._split_states.append(state)
 
     def _close_splits(self) -> None:
-        for split in getattr(self, "_splits", ()):
+        for s in getattr(self, "_split_states", ()):
             try:
-                split.close()
+                s.split.close()
             except Exception:  # noqa: BLE001 - closing must go on
-                log.exception("closing the split of tied embedding %r", split.name)
+                log.exception("closing the split of tied embedding %r", s.split.name)
 
     # --------------------------------------------------------------- set-up
     @staticmethod
@@ -1067,9 +1064,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             if s.cuda is not None:
                 self._wait_on_gpu(s)
             if s.split is not None and s.split.pending():  # the lookup's rows, onto the averaged dense part
-                started = time.perf_counter()
+                rows_from = time.perf_counter()
                 s.split.add_into(s.grad)
-                self._bubble += time.perf_counter() - started
+                self._bubble += time.perf_counter() - rows_from
         if not self._cross:
             for s in pending:
                 self._land(s)
@@ -1219,8 +1216,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 f"step() ended a step in which fusion group {partial[0].name!r} got gradients for only part of its "
                 f"parameters ({partial[0].missing()[:5]} had none); every parameter of a planned group must get a "
                 "gradient every step, on every rank (use ordering='dynamic' for models with unused parameters)")
-        for s in self._params:
-            if s.split is not None and s.split.pending() and s.future is None and self._sync_enabled:
+        for s in self._split_states:
+            if s.split.pending() and s.future is None and self._sync_enabled:
                 # a tied embedding whose projection did not run this step: its dense part is zero
                 zeros = torch.zeros_like(s.param)
                 if not self._cross:
@@ -1361,7 +1358,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             "fusion_bytes": self.config.fusion_bytes,
             "fused": {f.name: [m.name for m in f.members] for f in self._fusions},
             # split_tied_embeddings: per tied embedding, the row exchanges done and the rows they carried
-            "tied_embeddings": {split.name: split.stats() for split in self._splits},
+            "tied_embeddings": {s.split.name: s.split.stats() for s in self._split_states},
             "scheduler": sched,
             **({"plan": {"digest": self.plan.digest, "groups": len(self.plan.groups), "pieces": len(self.plan.pieces),
                          "fused_groups": len(self._fusions), "credit_bytes": self.plan.credit_bytes,

@@ -13,9 +13,9 @@ order (docs/bench.md, "Where the time goes": gpt2's ~0.2-0.3 s a step at 1 Gbit/
   backward) and the scheduler reduces it, dense, during the rest of backward;
 - the lookup's part is a handful of rows (one per distinct token of the batch, where the dense
   form is vocab x dim of mostly zeros). The lookup's own backward (a custom autograd function)
-  takes its output's gradient; each rank sums its rows per token id, and a thread of this module all-gathers every
-  rank's ids and rows on a process group of its own (so it never interleaves with the
-  scheduler's collectives);
+  takes its output's gradient; each rank sums its rows per token id, and a thread of this module
+  all-gathers every rank's ids and rows on a process group of its own (so it never interleaves
+  with the scheduler's collectives);
 - before the update (cross-iteration: the embedding's forward pre-hook; synchronous: ``step()``)
   the gathered rows are added to the averaged dense part: ``grad += index_add(rows) / world``.
 
@@ -28,7 +28,6 @@ while N·T < 2·vocab (GPT-2's 50 257 tokens: up to ~100 ranks at 1 024 tokens p
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from typing import Any, Optional
@@ -41,9 +40,6 @@ import torch.nn.functional as F
 from commsched.errors import CommschedError, CommschedTimeout
 
 __all__ = ["TiedSplit", "find_tied_embeddings"]
-
-log = logging.getLogger("commsched.torch.tied")
-
 
 def find_tied_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
     """The ``nn.Embedding`` modules of ``model`` whose weight is registered under another name too
