@@ -200,17 +200,28 @@ SEED_CONFIGS = (
 
 
 def _plan_for(strategies: list[str], profile: Profile, topology: Topology, path: str | None = None,
-              time_limit_s: float = 5.0) -> Any:
-    """The plan ``planned`` executes: read from ``path``, else searched here; None without ``planned``."""
-    if "planned" not in strategies:
-        return None
+              time_limit_s: float = 5.0) -> dict[str, Any]:
+    """The plan each ``planned`` strategy executes, by name: read from ``path``, else searched here
+    (``planned+tied``: from the profile with its tied embeddings split, as that run's step has
+    them); empty without ``planned``."""
+    models = {name: parse_sim_strategy(name) for name in strategies}
+    wanted = [name for name, m in models.items() if m.ordering == "planned"]
+    if not wanted:
+        return {}
     from commsched.plan import Plan
 
     if path:
-        return Plan.from_json(path)
+        plan = Plan.from_json(path)
+        return {name: plan for name in wanted}
     from commsched.costmodel.planner import make_plan
 
-    return make_plan(profile, topology, time_limit_s=time_limit_s).plan
+    plans: dict[bool, Any] = {}
+    for name in wanted:
+        split = models[name].split_tied
+        if split not in plans:
+            source = profile.with_tied_split() if split else profile
+            plans[split] = make_plan(source, topology, time_limit_s=time_limit_s).plan
+    return {name: plans[models[name].split_tied] for name in wanted}
 
 
 def seed_table(strategies: list[str], settings: SimSettings, plan_time_limit_s: float = 5.0) -> str:
@@ -222,8 +233,8 @@ def seed_table(strategies: list[str], settings: SimSettings, plan_time_limit_s: 
     for label, model, cluster, inter in SEED_CONFIGS:
         prof = zoo_profile(model["model"], "h100", tp=model.get("tp", 1), pp=model.get("pp", 1))
         topo = Topology.described(cluster, intra="900GB/s", inter=inter)
-        plan = _plan_for(strategies, prof, topo, time_limit_s=plan_time_limit_s)
-        results = {name: simulate(prof, topo, name, settings, plan=plan) for name in strategies}
+        plans = _plan_for(strategies, prof, topo, time_limit_s=plan_time_limit_s)
+        results = {name: simulate(prof, topo, name, settings, plan=plans.get(name)) for name in strategies}
         ddp = results.get("ddp")
         for name, r in results.items():
             claim = SEED_CLAIM.get(name) if "claimed" in label else None
@@ -268,12 +279,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"commsched simulate: {exc}", file=sys.stderr)
         return 2
     try:
-        plan = _plan_for(strategies, profile, topology, args.plan, args.plan_time_limit)
+        plans = _plan_for(strategies, profile, topology, args.plan, args.plan_time_limit)
     except ValueError as exc:
         print(f"commsched simulate: {exc}", file=sys.stderr)
         return 2
     t0 = time.process_time()
-    results = [simulate(profile, topology, name, settings, plan=plan) for name in strategies]
+    results = [simulate(profile, topology, name, settings, plan=plans.get(name)) for name in strategies]
     cpu = time.process_time() - t0
     report = predicted_report(profile, topology, results, settings, strategies,
                               workload=args.workload or args.model or os.path.basename(args.profile or "profile"),
@@ -533,7 +544,17 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         reasons.append(f"communication-bound: no schedule beats the all-reduce itself ({comm:.3g} s > compute "
                        f"{profile.compute_s:.3g} s); only fewer bytes or a faster algorithm help")
     first = profile.layers[0].grad_bytes / max(1, profile.grad_bytes)
-    if first > 0.2:
+    split = None
+    if profile.tied:
+        best_settings = SimSettings(partition_bytes=settings.get("partition_bytes", SimSettings().partition_bytes),
+                                    credit_bytes=settings.get("credit_bytes", SimSettings().credit_bytes),
+                                    fusion_bytes=fusion)
+        split = simulate(profile, topology, "dynamic+tied", best_settings)
+        reasons.append(f"{', '.join(profile.tied)} is a tied embedding: with PyTorch's DistributedOptimizer("
+                       f"split_tied_embeddings=True) the simulated step is {split.step_time_s:.3g} s "
+                       f"({ddp.step_time_s / split.step_time_s:.2f}x {ddp.strategy}; dynamic with these settings, "
+                       "the lookup's rows not modelled; docs/torch.md, Tied embeddings)")
+    elif first > 0.2:
         reasons.append(f"the first layer is needed first, ready last and large ({first:.0%} of the gradient): its "
                        "reduction cannot overlap with this step's backward; if it is an embedding tied to the output "
                        "layer, PyTorch's DistributedOptimizer(split_tied_embeddings=True) reduces the output layer's "
@@ -544,7 +565,9 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     helps = speedup >= 1.03
     return {"helps": helps, "expected_speedup_vs_ddp": speedup, "best_ddp": ddp.strategy,
             "best_ddp_step_s": ddp.step_time_s, "commsched_step_s": best.step_time_s, "settings": settings,
-            "lower_bound_s": bound, "efficiency": bound / best.step_time_s, "reasons": reasons}
+            "lower_bound_s": bound, "efficiency": bound / best.step_time_s, "reasons": reasons,
+            "split_tied_step_s": None if split is None else split.step_time_s,
+            "split_tied_speedup_vs_ddp": None if split is None else ddp.step_time_s / split.step_time_s}
 
 
 def add_advise_arguments(p: argparse.ArgumentParser) -> None:

@@ -58,6 +58,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the runtime default (1 MiB pieces, 4 MiB credit, fusion 256 KiB, ring) unless the "
                         "best plan is predicted this share faster (default 0.05, the model's error; 0 = take any gain)")
     p.add_argument("--compare", default=COMPARE, help=f"strategies simulated beside the plan (default {COMPARE})")
+    p.add_argument("--split-tied", action="store_true",
+                   help="plan for DistributedOptimizer(split_tied_embeddings=True): the profile's tied embedding "
+                        "(Profile.tied) ready when the output projection made it, not at the end of backward")
 
 
 def plan_markdown(result: PlanResult, profile: Profile, topology: Topology, compare: list[str]) -> str:
@@ -96,6 +99,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         topology = load_topology(args)
         profile = load_profile(args, topology)
+        if args.split_tied:
+            profile = profile.with_tied_split()
         overrides = {k: v for k, v in (("partitions", _sizes(args.partitions_mb, "--partitions-mb")),
                                        ("credits", _sizes(args.credits_mb, "--credits-mb")),
                                        ("fusions", _sizes(args.fusions_mb, "--fusions-mb"))) if v is not None}

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Sequence
 
 __all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "load_json", "read_json", "steal_share",
            "write_json"]
@@ -107,6 +107,10 @@ class Profile:
     ``step()`` over all parameters at once, as DDP, Horovod and the synchronous path
     call it (``None``: the sum of the layers' ``apply_s``, the per-layer update that
     cross-iteration runs in the next forward).
+    ``tied``: the tensors that are a tied embedding's weight (one parameter used by the input
+    lookup, first in forward, and the output projection, last), which PyTorch's
+    ``DistributedOptimizer(split_tied_embeddings=True)`` splits; :meth:`with_tied_split` models
+    the split.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -119,6 +123,7 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     comm_contention: float = 1.0
     per_piece_steal_s: float = 0.0
+    tied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -140,6 +145,10 @@ class Profile:
         _check_time("profile", "per_piece_steal_s", self.per_piece_steal_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
+        object.__setattr__(self, "tied", tuple(self.tied))
+        unknown = [n for n in self.tied if n not in tensors]
+        if unknown:
+            raise ValueError(f"tied={unknown} names no tensor of the profile")
 
     # ------------------------------------------------------------- derived
     @property
@@ -195,7 +204,57 @@ class Profile:
                        contention=self.contention, step_overhead_s=self.step_overhead_s * compute,
                        per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta),
                        optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
-                       comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s)
+                       comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
+                       tied=self.tied)
+
+    def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
+        """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
+        default :attr:`tied`) is ready when the output projection's backward made it, not when
+        backward reaches the input lookup at its end.
+
+        The projection is the model's last layer, first in backward, so its part is ready with the
+        first gradients backward makes: ``ready_s`` (default: the earliest ready time of the other
+        layers). A tied tensor that shares its layer with others is moved to a layer of its own
+        just before it (forward order, hence priority, unchanged; the apply time divided by bytes),
+        so the others keep their own readiness. Not modelled: the lookup's rows, which the runtime
+        all-gathers on a group of its own at the end of backward (distinct tokens x dim per rank,
+        small beside the dense weight; docs/simulator.md).
+        """
+        chosen = tuple(self.tied if names is None else names)
+        if not chosen:
+            raise ValueError("with_tied_split: the profile names no tied embedding (Profile.tied is empty); "
+                             "profile a model whose input embedding's weight is also its output projection's")
+        known = {t.name for layer in self.layers for t in layer.tensors}
+        unknown = [n for n in chosen if n not in known]
+        if unknown:
+            raise ValueError(f"with_tied_split: {unknown} names no tensor of the profile")
+        ready = self.ready_times()
+        holders = [i for i, layer in enumerate(self.layers) if any(t.name in chosen for t in layer.tensors)]
+        if ready_s is None:
+            others = [ready[i] for i in range(len(self.layers)) if i not in holders]
+            if not others:
+                raise ValueError("with_tied_split: every layer holds a tied weight; give ready_s")
+            ready_s = min(others)
+        _check_time("with_tied_split", "ready_s", ready_s)
+        layers: list[LayerProfile] = []
+        for i, layer in enumerate(self.layers):
+            if i not in holders:
+                layers.append(layer)
+                continue
+            tied = tuple(t for t in layer.tensors if t.name in chosen)
+            rest = tuple(t for t in layer.tensors if t.name not in chosen)
+            if not rest:
+                layers.append(replace(layer, ready_s=ready_s))
+                continue
+            share = sum(t.nbytes for t in tied) / max(1, layer.grad_bytes)
+            name = f"{layer.name}[tied]"
+            while name in {x.name for x in self.layers}:
+                name += "_"
+            layers.append(LayerProfile(name=name, forward_s=0.0, backward_s=0.0, tensors=tied,
+                                       apply_s=layer.apply_s * share, ready_s=ready_s))
+            # the layer keeps its own readiness: the end of its backward, as before the split
+            layers.append(replace(layer, tensors=rest, apply_s=layer.apply_s * (1.0 - share), ready_s=ready[i]))
+        return replace(self, layers=tuple(layers), meta=dict(self.meta, tied_split=list(chosen)))
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -224,7 +283,8 @@ class Profile:
                        step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                        per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})),
                        optimizer_step_s=data.get("optimizer_step_s"),
-                       per_piece_steal_s=float(data.get("per_piece_steal_s", 0.0)))
+                       per_piece_steal_s=float(data.get("per_piece_steal_s", 0.0)),
+                       tied=tuple(str(n) for n in data.get("tied", ())))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None

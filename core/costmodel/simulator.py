@@ -60,7 +60,7 @@ import gc
 import heapq
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 from commsched.costmodel.collectives import allreduce_phases, allreduce_s
@@ -150,10 +150,21 @@ class StrategyModel:
     bucket_bytes: int | None = None  # ddp only
     algorithm: str | None = None  # None: the settings' algorithm
     priority: str = "layer"  # commsched only: layer order, or the seed's slack rule
+    #: ``<commsched strategy>+tied``: the profile's tied embeddings split (:meth:`Profile.with_tied_split`)
+    split_tied: bool = False
 
 
 def parse_sim_strategy(name: str) -> StrategyModel:
-    """``ddp``, ``ddp:<MB>``, ``horovod``, ``allreduce``, ``fifo``, ``dynamic``, ``static``, ``hierarchical``."""
+    """``ddp``, ``ddp:<MB>``, ``horovod``, ``allreduce``, ``fifo``, ``dynamic``, ``static``, ``hierarchical``,
+    ``planned``, ``slack``; a commsched one may end in ``+tied`` (``dynamic+tied``: the tied embedding
+    split, as ``commsched bench`` runs it)."""
+    base, plus, modifier = name.strip().partition("+")
+    if plus:
+        model = parse_sim_strategy(base)
+        if modifier != "tied" or model.kind != "commsched":
+            raise ValueError(f"strategy {name!r}: the one modifier is +tied, on a commsched strategy "
+                             "(e.g. dynamic+tied: split tied embeddings)")
+        return replace(model, name=name.strip(), split_tied=True)
     kind, _, arg = name.strip().partition(":")
     if kind == "ddp":
         if not arg:
@@ -451,6 +462,11 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     world = topology.world_size
     if world < 1:
         raise ValueError("the topology has no ranks")
+    if model.split_tied:
+        if not profile.tied:
+            raise ValueError(f"strategy {model.name!r}: the profile names no tied embedding (Profile.tied), "
+                             "so there is nothing to split; drop +tied")
+        profile = profile.with_tied_split()
     if model.ordering == "planned":
         if plan is None:
             raise ValueError("strategy 'planned' needs a plan (make one with `commsched plan`)")

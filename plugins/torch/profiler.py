@@ -64,8 +64,8 @@ RECORDED_STEPS = 8
 #: Default cache of workload profiles.
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: Bump when what a cached profile means changes: older cache entries are then ignored
-#: (2: ``per_piece_steal_s`` measured).
-CACHE_VERSION = 2
+#: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights).
+CACHE_VERSION = 3
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 
@@ -417,12 +417,26 @@ def profile_model(model: nn.Module, x: Any, y: Any, loss_fn: Callable[[Any, Any]
     tensors = [_tensor_specs(names, layer_params) for _, names in layers]
     return _build([name for name, _ in layers], tensors, unscaled, source=source, batch_size=batch_size,
                   forward_s=_median(p[0] for p in phases), backward_s=_median(p[1] for p in phases),
-                  optimizer_s=_median(p[2] for p in phases))
+                  optimizer_s=_median(p[2] for p in phases), tied=tied_tensor_names(model, named))
+
+
+def tied_tensor_names(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+    """The names (as ``named`` gives them) of the tied embedding weights that
+    ``split_tied_embeddings=True`` can split (:func:`commsched.plugins.torch.tied.find_tied_embeddings`);
+    none where an embedding's options rule the split out."""
+    from commsched.plugins.torch.tied import find_tied_embeddings
+
+    try:
+        ids = {id(module.weight) for _, module in find_tied_embeddings(model)}
+    except ValueError:
+        return ()
+    return tuple(n for n, p in named if id(p) in ids)
 
 
 def _build(names: list[str], tensors: list[tuple[TensorSpec, ...]], unscaled: dict[str, Any], *, source: str,
            batch_size: int | None, forward_s: float, backward_s: float, optimizer_s: float,
-           contention: float = 1.0, comm_contention: float = 1.0, meta: dict | None = None) -> Profile:
+           contention: float = 1.0, comm_contention: float = 1.0, meta: dict | None = None,
+           tied: Sequence[str] = ()) -> Profile:
     """The Profile: the ``unscaled`` per-layer medians scaled to the phase totals
     ``forward_s``/``backward_s``/``optimizer_s`` (module docstring of :func:`profile_model`)."""
     pre, bwd_tail = unscaled["pre_forward_s"], unscaled["backward_tail_s"]
@@ -453,7 +467,7 @@ def _build(names: list[str], tensors: list[tuple[TensorSpec, ...]], unscaled: di
     info.update(meta or {})
     return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=contention,
                    comm_contention=comm_contention, step_overhead_s=overhead, optimizer_step_s=optimizer_s,
-                   meta=info)
+                   meta=info, tied=tuple(tied))
 
 
 # ------------------------------------------------------------- DistributedOptimizer's
@@ -503,7 +517,8 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
         "note": "times measured during training, under its communication: contention is included in them",
     }
     return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=1.0,
-                   step_overhead_s=max(0.0, rest), optimizer_step_s=whole, meta=meta)
+                   step_overhead_s=max(0.0, rest), optimizer_step_s=whole, meta=meta,
+                   tied=tied_tensor_names(recorder.model, list(params.items())))
 
 
 # ------------------------------------------------------------------------- workloads
@@ -639,7 +654,7 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
                   local.meta["unscaled"], source=f"profile:{workload}", batch_size=batch_size,
                   forward_s=baseline["forward_s"], backward_s=baseline["backward_s"],
                   optimizer_s=baseline["optimizer_s"], contention=contention,
-                  comm_contention=baseline.get("comm_contention") or 1.0, meta=meta)
+                  comm_contention=baseline.get("comm_contention") or 1.0, meta=meta, tied=local.tied)
     prof = dataclasses.replace(prof, per_piece_steal_s=steal)
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof

@@ -145,6 +145,34 @@ def test_a_tied_weight_is_one_tensor_of_its_first_user_and_ready_last():
     assert prof.layers[0].ready_s >= prof.layers[1].ready_s
 
 
+def test_a_registered_tie_is_named_in_the_profile_and_an_inline_one_is_not():
+    class Registered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.mix = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight  # as GPT-2 ties: one parameter, two names
+
+        def forward(self, idx):
+            return self.head(torch.tanh(self.mix(self.embed(idx))))
+
+    idx, y = torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4, 6))
+
+    def loss(out, target):
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    profiles = []
+    for model, tied in ((Registered(), ("embed.weight",)), (Tied(), ())):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        profiles.append(profile_model(model, idx, y, loss, opt, steps=2))
+        assert profiles[-1].tied == tied
+    # what the simulator's `+tied` strategies and `planned+tied` plans start from: the weight ready early
+    registered = profiles[0]
+    assert registered.layers[0].name == "embed"
+    assert registered.with_tied_split().ready_times()[0] < registered.ready_times()[0]
+
+
 def test_the_profile_survives_a_json_round_trip(tmp_path):
     _, prof = _profile(steps=2)
     path = tmp_path / "profile.json"

@@ -234,7 +234,7 @@ class PlannedStrategy(CommschedStrategy):
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
                  timeline: str | None, split_tied: bool = False) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
-        self.plan_info = _shared_plan(run_spec, rank, path)
+        self.plan_info = _shared_plan(run_spec, rank, path, split_tied)
         self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
                          timeline, plan=path, split_tied=split_tied)
@@ -254,7 +254,7 @@ PLAN_TIME_LIMIT_S = 20.0
 _PLAN_KEY = "commsched/bench/plan"
 
 
-def _shared_plan(run_spec: dict, rank: int, path: str) -> dict[str, Any]:
+def _shared_plan(run_spec: dict, rank: int, path: str, split_tied: bool = False) -> dict[str, Any]:
     """Rank 0 makes the plan and writes it to ``path``; every rank returns what rank 0 posted."""
     import json
 
@@ -264,7 +264,7 @@ def _shared_plan(run_spec: dict, rank: int, path: str) -> dict[str, Any]:
     wait_s = float(run_spec.get("phase_timeout_s", 900.0))
     if rank == 0:
         try:
-            info = _make_bench_plan(run_spec, path)
+            info = _make_bench_plan(run_spec, path, split_tied)
         except Exception as exc:  # noqa: BLE001 - every rank must hear why, then fail
             info = {"error": f"{type(exc).__name__}: {exc}"}
         store.set(_PLAN_KEY, json.dumps(info).encode())
@@ -275,7 +275,10 @@ def _shared_plan(run_spec: dict, rank: int, path: str) -> dict[str, Any]:
     return info
 
 
-def _make_bench_plan(run_spec: dict, path: str) -> dict[str, Any]:
+def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False) -> dict[str, Any]:
+    """The plan of ``planned`` (``split_tied``: of ``planned+tied``, made from the profile with its tied
+    embeddings split, :meth:`~commsched.costmodel.profile.Profile.with_tied_split`, as that run's step
+    has them)."""
     from commsched.costmodel.topology import Topology
     from commsched.plugins.torch.profiler import load_or_profile
 
@@ -298,6 +301,8 @@ def _make_bench_plan(run_spec: dict, path: str) -> dict[str, Any]:
     topology_source = "probe (cached)" if topology is not None else "emulated (configured; run commsched probe)"
     if topology is None:
         topology = Topology.emulated(workers, nodes, bandwidth or "none", intra)
+    if split_tied:
+        profile = profile.with_tied_split()
     profiled = time.monotonic()
     plan = make_plan(profile, topology, time_limit_s=PLAN_TIME_LIMIT_S).plan
     tmp = f"{path}.tmp"
@@ -307,7 +312,8 @@ def _make_bench_plan(run_spec: dict, path: str) -> dict[str, Any]:
             "groups": len(plan.groups), "pieces": len(plan.pieces), "credit_bytes": plan.credit_bytes,
             "algorithms": sorted({p.algorithm for p in plan.pieces}), "order": plan.order,
             "profile_s": profiled - started, "plan_s": time.monotonic() - profiled,
-            "topology": topology_source, "topology_describe": topology.describe()}
+            "topology": topology_source, "topology_describe": topology.describe(),
+            "tied_split": list(profile.meta.get("tied_split", []))}
 
 
 def bubble_list(stats: Any) -> list[float] | None:
