@@ -108,6 +108,8 @@ class ZooModel:
     causal: bool
     published_params: float
     description: str
+    #: the tensors that are a tied embedding (input lookup and output projection): ``Profile.tied``
+    tied: tuple[str, ...] = ()
 
     @property
     def sequence(self) -> bool:
@@ -259,14 +261,16 @@ def _bert_large() -> ZooModel:
     final = layers[-1]
     layers[-1] = ZooLayer(final.name, final.tensors + (("mlm.decoder.bias", s.vocab),), final.flops)
     return ZooModel("bert-large", tuple(layers), batch_size=32, seq_len=128, causal=False,
-                    published_params=336e6, description="BERT-large (Devlin et al. 2019), MLM on every token")
+                    published_params=336e6, description="BERT-large (Devlin et al. 2019), MLM on every token",
+                    tied=("embed.tokens.weight",))
 
 
 def _gpt2_xl() -> ZooModel:
     """GPT-2 XL: 48 layers, d 1600, 25 heads, vocab 50257, 1024 positions, tied output; 1,557,611,200."""
     s = _Shape(layers=48, d=1600, ffn=6400, vocab=50257, heads=25, kv_heads=25, positions=1024)
     return ZooModel("gpt2-xl", tuple(_transformer(s)), batch_size=8, seq_len=1024, causal=True,
-                    published_params=1.5576e9, description="GPT-2 XL (Radford et al. 2019)")
+                    published_params=1.5576e9, description="GPT-2 XL (Radford et al. 2019)",
+                    tied=("embed.tokens.weight",))
 
 
 def _llama(name: str, layers: int, d: int, ffn: int, heads: int, kv_heads: int, batch: int,
@@ -366,5 +370,6 @@ def zoo_profile(model: str, device: str = "h100", *, batch_size: int | None = No
         "forward_flops_per_sample": spec.forward_flops(seq),
         "assumptions": ("compute = FLOPs / (peak × efficiency); backward = 2 × forward; Adam apply = "
                         f"{ADAM_BYTES_PER_PARAM} B/param / memory bandwidth; tp/pp divide parameters and "
-                        "compute, their own communication not modelled; no compute slowdown under comm")})
+                        "compute, their own communication not modelled; no compute slowdown under comm")},
+        tied=spec.tied)
     return profile if shards == 1 else profile.scaled(compute=1 / shards, grad=1 / shards, source=source)

@@ -11,7 +11,7 @@ from commsched.cli import main
 from commsched.costmodel.cli import _plan_for, advise
 from commsched.costmodel.planner import PlanSearch, make_plan
 from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
-from commsched.costmodel.simulator import parse_sim_strategy, planned_tensors, simulate
+from commsched.costmodel.simulator import SimSettings, parse_sim_strategy, planned_tensors, simulate
 from commsched.costmodel.topology import Link, Topology
 
 MB = 1 << 20
@@ -135,3 +135,18 @@ def test_advise_prices_the_split_where_the_profile_names_a_tied_embedding():
     assert f"{out['split_tied_step_s']:.3g} s" in reason
     plain = advise(Profile(layers=lm().layers), topo)
     assert plain["split_tied_step_s"] is None
+
+
+def test_the_zoo_names_the_tied_embeddings_of_the_models_that_tie_them():
+    from commsched.costmodel.zoo import zoo_profile
+
+    assert zoo_profile("gpt2-xl").tied == ("embed.tokens.weight",)
+    assert zoo_profile("bert-large").tied == ("embed.tokens.weight",)
+    assert zoo_profile("gpt-7b").tied == ()  # Llama-shaped: an untied lm_head
+    bert = zoo_profile("bert-large", tp=2).with_tied_split()  # the token table shares its layer: moved out
+    assert [layer.name for layer in bert.layers[:2]] == ["embed[tied]", "embed"]
+    topo = Topology.described("2x2", intra="100GB/s", inter="10gbit")
+    gpt = zoo_profile("gpt2-xl", "h100")
+    settings = SimSettings(partition_bytes=16 * MB, credit_bytes=64 * MB)
+    assert (simulate(gpt, topo, "dynamic+tied", settings).step_time_s
+            < simulate(gpt, topo, "dynamic", settings).step_time_s)
