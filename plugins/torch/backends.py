@@ -662,6 +662,16 @@ class HorovodBackend:
         joined = self._finish(self._hvd.allgather_async(data, name=name + ".data"), f"all-gather {name}")
         return [_unpickled(part) for part in torch.split(joined, [int(n) for n in sizes.tolist()])]
 
+    def all_gather_rows(self, ids: torch.Tensor, rows: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's ``ids`` and ``rows`` (any number of rows per rank), concatenated in rank order
+        (``hvd.allgather``), each within ``timeout_s``: a split tied embedding's rows
+        (:mod:`commsched.plugins.torch.tied`). It runs on the split's own thread beside the scheduler's
+        pieces: Horovod matches operations by name, so ``name`` (the same on every rank, one exchange
+        in flight per name) is all the ranks need to agree on."""
+        got_ids = self._hvd.allgather_async(ids, name=name + ".ids")
+        got_rows = self._hvd.allgather_async(rows, name=name + ".rows")
+        return self._finish(got_ids, f"all-gather {name}.ids"), self._finish(got_rows, f"all-gather {name}.rows")
+
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """Rank ``root``'s ``obj`` (picklable), on every rank; each of its two broadcasts within ``timeout_s``."""
         # Explicit names, the same on every rank: Horovod matches operations by name.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
@@ -298,7 +299,6 @@ def _check_split(split: Any, model: Any, backend: str, process_group: Any,
     if not split:
         return []
     why = ("it needs the model (model=your_module)" if model is None else
-           "it runs on torch.distributed (backend='torch'), not Horovod" if backend != "torch" else
            "it runs on the default group's ranks (leave process_group=None)" if process_group is not None else
            "it exchanges each backward's rows once a step (backward_passes_per_step=1)" if passes != 1 else None)
     if why:
@@ -796,18 +796,22 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
 
     def _split_tied(self, tied: list[tuple[str, torch.nn.Embedding]]) -> None:
         """``split_tied_embeddings``: one :class:`~commsched.plugins.torch.tied.TiedSplit` per tied
-        embedding, its rows exchanged on a process group of its own (made here by every rank, in one order)."""
+        embedding, its rows exchanged on a process group of its own (made here by every rank, in one order),
+        or on Horovod by its allgather under a name of their own."""
         from commsched.plugins.torch.tied import TiedSplit
 
-        group = own_group(self.config.timeout_s) if self.world_size > 1 else None
+        horovod = getattr(self._backend, "all_gather_rows", None)  # Horovod: its allgather, matched by name
+        group = own_group(self.config.timeout_s) if self.world_size > 1 and horovod is None else None
         scale = 1.0 / self.world_size if self._op == "average" else 1.0
         for name, module in tied:
             state = self._by_param.get(id(module.weight))
             if state is None:
                 raise ValueError(f"split_tied_embeddings: the weight of tied embedding {name!r} is not among the "
                                  "optimizer's parameters with a gradient; give the optimizer model.parameters()")
+            # Horovod: one name per embedding, the same on every rank
+            gather = None if horovod is None else functools.partial(horovod, name=f"commsched.tied.{name}")
             state.split = TiedSplit(name or "embedding", module, group=group, world_size=self.world_size,
-                                    scale=scale, timeout_s=self.config.timeout_s)
+                                    scale=scale, timeout_s=self.config.timeout_s, gather=gather)
             self._split_states.append(state)
 
     def _close_splits(self) -> None:

@@ -15,7 +15,8 @@ order (docs/bench.md, "Where the time goes": gpt2's ~0.2-0.3 s a step at 1 Gbit/
   form is vocab x dim of mostly zeros). The lookup's own backward (a custom autograd function)
   takes its output's gradient; each rank sums its rows per token id, and a thread of this module
   all-gathers every rank's ids and rows on a process group of its own (so it never interleaves
-  with the scheduler's collectives);
+  with the scheduler's collectives; on Horovod, ``HorovodBackend.all_gather_rows``: Horovod's
+  allgather under names of their own, which Horovod matches by name);
 - before the update (cross-iteration: the embedding's forward pre-hook; synchronous: ``step()``)
   the gathered rows are added to the averaged dense part: ``grad += index_add(rows) / world``.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,11 @@ class TiedSplit:
     embedding, in the same order, with the same ``group``."""
 
     def __init__(self, name: str, module: nn.Embedding, *, group: Any, world_size: int, scale: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, gather: Optional[Callable[[torch.Tensor, torch.Tensor], tuple]] = None) -> None:
         self.name, self.module, self.group = name, module, group
+        # Horovod: the backend's all_gather_rows (variable row counts, bounded waits); None: torch.distributed
+        # on ``group``
+        self._gather = gather
         self.world_size, self.scale, self.timeout_s = world_size, scale, timeout_s
         # lets the lookup's output require grad without the weight (its own gradient is always None)
         self._anchor = torch.zeros((), requires_grad=True)
@@ -147,6 +151,11 @@ class TiedSplit:
             self.exchanges += 1
             self.rows += ids.numel()
             return ids, rows
+        if self._gather is not None:
+            all_ids, all_rows = self._gather(ids, rows)
+            self.exchanges += 1
+            self.rows += all_ids.numel()
+            return all_ids, all_rows
         count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
         counts = [torch.zeros_like(count) for _ in range(self.world_size)]
         dist.all_gather(counts, count, group=self.group)

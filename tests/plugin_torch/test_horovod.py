@@ -46,6 +46,22 @@ def test_matches_hvd_distributed_optimizer_with_split_tensors_and_skewed_readine
 
 
 @pytest.mark.timeout(200)
+def test_split_tied_embeddings_on_horovod_stay_allclose_and_send_the_projection_part_first(tmp_path):
+    # the lookup's rows go by hvd.allgather on the split's own thread, beside the scheduler's pieces
+    proc = horovodrun(str(HERE / "hvd_worker.py"), "--out", str(tmp_path), "--tied", "--steps", "6")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank_results in results(tmp_path):
+        assert [r["optimizer"] for r in rank_results] == ["sgd_momentum", "adam"]
+        for r in rank_results:
+            assert "error" not in r, r["error"]
+            assert r["allclose"], f"{r['optimizer']}: max diff {r['max_diff']}"
+            assert r["tied_embeddings"]["embed"]["exchanges"] == 6 and r["tied_embeddings"]["embed"]["rows"] > 0
+            firsts = [step["order"][0] for step in r["order"].values()]
+            assert all(name.startswith("embed.weight") for name in firsts), firsts
+            assert r["threads"] == []
+
+
+@pytest.mark.timeout(200)
 def test_a_rank_that_exits_mid_training_fails_the_other_with_a_commsched_error(tmp_path):
     proc = horovodrun(str(HERE / "hvd_worker.py"), "--out", str(tmp_path), "--optimizers", "adam",
                       "--die-step", "4")
