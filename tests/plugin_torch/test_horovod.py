@@ -27,38 +27,40 @@ def results(out: Path) -> list[list[dict]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+def allclose_runs(out: Path, *args: str) -> list[dict]:
+    """hvd_worker.py under horovodrun with ``args``: each rank's run of each optimizer, checked allclose to
+    ``hvd.DistributedOptimizer``, error-free and with no commsched thread left."""
+    proc = horovodrun(str(HERE / "hvd_worker.py"), "--out", str(out), *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = []
+    for rank_results in results(out):
+        assert [r["optimizer"] for r in rank_results] == ["sgd_momentum", "adam"]
+        for r in rank_results:
+            assert "error" not in r, r["error"]
+            assert r["allclose"], f"{r['optimizer']}: max diff {r['max_diff']}"
+            assert r["threads"] == []
+            runs.append(r)
+    return runs
+
+
 @pytest.mark.timeout(200)
 def test_matches_hvd_distributed_optimizer_with_split_tensors_and_skewed_readiness(tmp_path):
     # Pieces of 256 B (every tensor split), a 512 B credit on rank 0, and random
     # per-rank delays so ranks see gradients ready in different orders: the
     # credit must not deadlock, and the result must equal Horovod's own optimizer.
-    proc = horovodrun(str(HERE / "hvd_worker.py"), "--out", str(tmp_path), "--delay", "0.002")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank_results in results(tmp_path):
-        assert [r["optimizer"] for r in rank_results] == ["sgd_momentum", "adam"]
-        for r in rank_results:
-            assert "error" not in r, r["error"]
-            assert r["allclose"], f"{r['optimizer']}: max diff {r['max_diff']}"
-            # rank 0 paces by the credit; ranks > 0 start at once (Horovod's coordinator orders them)
-            assert_partitioned_within_credit(r["order"], r["expected_pieces"], r["max_in_flight_bytes"],
-                                             r["credit"] if r["rank"] == 0 else None, f"rank {r['rank']}")
-            assert r["threads"] == []
+    for r in allclose_runs(tmp_path, "--delay", "0.002"):
+        # rank 0 paces by the credit; ranks > 0 start at once (Horovod's coordinator orders them)
+        assert_partitioned_within_credit(r["order"], r["expected_pieces"], r["max_in_flight_bytes"],
+                                         r["credit"] if r["rank"] == 0 else None, f"rank {r['rank']}")
 
 
 @pytest.mark.timeout(200)
 def test_split_tied_embeddings_on_horovod_stay_allclose_and_send_the_projection_part_first(tmp_path):
     # the lookup's rows go by hvd.allgather on the split's own thread, beside the scheduler's pieces
-    proc = horovodrun(str(HERE / "hvd_worker.py"), "--out", str(tmp_path), "--tied", "--steps", "6")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank_results in results(tmp_path):
-        assert [r["optimizer"] for r in rank_results] == ["sgd_momentum", "adam"]
-        for r in rank_results:
-            assert "error" not in r, r["error"]
-            assert r["allclose"], f"{r['optimizer']}: max diff {r['max_diff']}"
-            assert r["tied_embeddings"]["embed"]["exchanges"] == 6 and r["tied_embeddings"]["embed"]["rows"] > 0
-            firsts = [step["order"][0] for step in r["order"].values()]
-            assert all(name.startswith("embed.weight") for name in firsts), firsts
-            assert r["threads"] == []
+    for r in allclose_runs(tmp_path, "--tied", "--steps", "6"):
+        assert r["tied_embeddings"]["embed"]["exchanges"] == 6 and r["tied_embeddings"]["embed"]["rows"] > 0
+        firsts = [step["order"][0] for step in r["order"].values()]
+        assert all(name.startswith("embed.weight") for name in firsts), firsts
 
 
 @pytest.mark.timeout(200)
