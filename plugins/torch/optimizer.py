@@ -290,8 +290,7 @@ def _load_topology(topology: Any) -> Any:
                     f"probe --json topology.json`), got {type(topology).__name__}")
 
 
-def _check_split(split: Any, model: Any, backend: str, process_group: Any,
-                 passes: int) -> list[tuple[str, torch.nn.Embedding]]:
+def _check_split(split: Any, model: Any, process_group: Any) -> list[tuple[str, torch.nn.Embedding]]:
     """``split_tied_embeddings``: the tied embeddings to split (empty when off); ``ValueError`` naming the
     fix where the split cannot run."""
     if not isinstance(split, bool):
@@ -299,8 +298,7 @@ def _check_split(split: Any, model: Any, backend: str, process_group: Any,
     if not split:
         return []
     why = ("it needs the model (model=your_module)" if model is None else
-           "it runs on the default group's ranks (leave process_group=None)" if process_group is not None else
-           "it exchanges each backward's rows once a step (backward_passes_per_step=1)" if passes != 1 else None)
+           "it runs on the default group's ranks (leave process_group=None)" if process_group is not None else None)
     if why:
         raise ValueError(f"split_tied_embeddings=True: {why}; or drop split_tied_embeddings")
     from commsched.plugins.torch.tied import find_tied_embeddings
@@ -448,7 +446,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 f"{type(optimizer).__name__} needs a closure that re-evaluates the loss on all gradients at once, "
                 "which per-parameter scheduled updates cannot provide; use it without commsched or reduce manually")
         backend = resolve_backend(backend)
-        tied = _check_split(split_tied_embeddings, model, backend, process_group, backward_passes_per_step)
+        tied = _check_split(split_tied_embeddings, model, process_group)
         if backend == "horovod" and process_group is not None:
             raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "
                              "Horovod ranks (leave process_group=None)")
@@ -930,6 +928,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if state.fusion is not None:
             self._submit_fused(state, grad)
             return
+        if state.split is not None:
+            state.split.arm()  # this pass synchronizes: its lookup's rows go at once, with the earlier passes'
         if self._cross:
             state.param.grad = None  # the scheduler owns this gradient until the update
         self._submit_alone(state, grad)
@@ -1227,6 +1227,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 if not self._cross:
                     s.param.grad = zeros
                 self._submit_alone(s, zeros)
+            if self._sync_enabled:
+                s.split.flush()  # rows the synchronizing pass did not send (its lookup did not run after the arm)
         if self._recording:
             self._finish_recording()
         self._scheduler.mark_step()

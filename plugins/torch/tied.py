@@ -80,6 +80,14 @@ class _Lookup(torch.autograd.Function):
         return None, None, None, None
 
 
+def _summed(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` summed per distinct id: (the distinct ids, sorted; one row each)."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype, device=rows.device)
+    summed.index_add_(0, inverse, rows)
+    return unique, summed
+
+
 class _Exchange:
     """One backward's rows on their way to every rank: ``result`` (ids, rows) or ``error`` once ``event``."""
 
@@ -104,7 +112,12 @@ class TiedSplit:
         self.world_size, self.scale, self.timeout_s = world_size, scale, timeout_s
         # lets the lookup's output require grad without the weight (its own gradient is always None)
         self._anchor = torch.zeros((), requires_grad=True)
-        self._parts: list[_Exchange] = []  # this step's exchanges (one per backward through the lookup)
+        self._parts: list[_Exchange] = []  # this step's exchanges (one a step, see flush)
+        # rows of backward passes not exchanged yet (gradient accumulation, no_sync), and whether the
+        # step's synchronizing pass has begun (arm): its lookup's rows then go at once
+        self._local: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._armed = False
+        self._lock = threading.Lock()
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self.exchanges = 0
         self.rows = 0
@@ -120,18 +133,42 @@ class TiedSplit:
         return F.embedding(ids, m.weight, m.padding_idx)
 
     def rows_ready(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """Autograd's thread: this rank's rows, summed per token id, go to the exchange thread."""
+        """Autograd's thread: this rank's rows, summed per token id, kept until the step's synchronizing
+        pass (:meth:`arm`), then handed to the exchange thread (:meth:`flush`)."""
         ids = ids.reshape(-1)
         rows = grad.reshape(ids.numel(), -1)
         if self.module.padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding
             keep = ids != self.module.padding_idx
             ids, rows = ids[keep], rows[keep]
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype, device=rows.device)
-        summed.index_add_(0, inverse, rows)
+        with self._lock:
+            self._local.append(_summed(ids, rows))
+            armed, self._armed = self._armed, False
+        if armed:
+            self.flush()
+
+    def arm(self) -> None:
+        """The optimizer submitted the dense part of this step (the pass that synchronizes: the last of
+        ``backward_passes_per_step``, outside ``no_sync``): this backward's rows, with every earlier
+        pass's, are exchanged as soon as the lookup's backward made them."""
+        with self._lock:
+            self._armed = True
+
+    def flush(self) -> None:
+        """Hand the rows kept since the last exchange, summed per token id, to the exchange thread: one
+        exchange a step however many backward passes it accumulated. Every rank calls it at the same point
+        of the step (the synchronizing pass's lookup, else ``step()`` or the update)."""
+        with self._lock:
+            local, self._local = self._local, []
+            self._armed = False
+        if not local:
+            return
+        if len(local) == 1:
+            ids, rows = local[0]
+        else:
+            ids, rows = _summed(torch.cat([i for i, _ in local]), torch.cat([r for _, r in local]))
         exchange = _Exchange()
         self._parts.append(exchange)
-        self._queue.put((unique, summed, exchange))
+        self._queue.put((ids, rows, exchange))
 
     # ------------------------------------------------------------------------ the exchange thread
     def _run(self) -> None:
@@ -176,14 +213,15 @@ class TiedSplit:
 
     # ------------------------------------------------------------------------------ the update
     def pending(self) -> bool:
-        return bool(self._parts)
+        return bool(self._parts or self._local)
 
     def done(self) -> bool:
-        return all(p.event.is_set() for p in self._parts)
+        return not self._local and all(p.event.is_set() for p in self._parts)
 
     def add_into(self, grad: torch.Tensor) -> None:
         """Add every exchanged part of this step to ``grad`` (the averaged dense part), waiting for each
         at most ``timeout_s``; a failed or late exchange raises naming the embedding."""
+        self.flush()  # rows of a step whose synchronizing pass did not reach the lookup
         parts, self._parts = self._parts, []
         for part in parts:
             if not part.event.wait(self.timeout_s):

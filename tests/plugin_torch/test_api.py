@@ -149,9 +149,6 @@ def test_split_tied_embeddings_finds_the_tie_and_refuses_what_it_cannot_split():
         DistributedOptimizer(torch.optim.SGD(untied.parameters(), lr=0.1), untied, split_tied_embeddings=True)
     with pytest.raises(ValueError, match="needs the model"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), split_tied_embeddings=True)
-    with pytest.raises(ValueError, match="backward_passes_per_step=1"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, split_tied_embeddings=True,
-                             backward_passes_per_step=2)
     with pytest.raises(TypeError, match="True or False"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, split_tied_embeddings="yes")
 

@@ -96,12 +96,16 @@ def test_split_tied_embeddings_stay_allclose_and_send_the_projection_part_first(
     """split_tied_embeddings: the head's part of the tied weight is reduced as soon as backward made it (first
     in the step's order, where without the split the weight waits for the lookup, last in backward) and the
     lookup's rows are exchanged once a step; allclose to the reference on both paths, in static order, with
-    fusion (the split weight stays alone), and when the head is skipped every other step (its part is zero)."""
+    fusion (the split weight stays alone), when the head is skipped every other step (its part is zero), and
+    with gradient accumulation (backward_passes_per_step and no_sync: one row exchange a step)."""
     split = {"model": "gpt", "split_tied": True}
     items = [{"model": "gpt", "optimizer": "adam"},  # no split: bitwise, and the weight goes last
              dict(split, optimizer="adam"), dict(split, optimizer="sgd_momentum", cross=0),
              dict(split, optimizer="adam", ordering="static"), dict(split, optimizer="adam", fusion=1 << 16),
-             dict(split, optimizer="adam", alternate_branch=True, steps=6)]
+             dict(split, optimizer="adam", alternate_branch=True, steps=6),
+             # gradient accumulation: the passes' rows are kept and exchanged once, with the last pass's
+             dict(split, optimizer="adam", accum=2, steps=4),
+             dict(split, optimizer="sgd_momentum", accum=3, no_sync=True, cross=0, steps=4)]
     results = ranks(2, *scenarios(*items), timeout=180)
     plain = results[0][0]
     check_all([r[:1] for r in results], exact=True)
