@@ -545,7 +545,11 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
                        f"{profile.compute_s:.3g} s); only fewer bytes or a faster algorithm help")
     first = profile.layers[0].grad_bytes / max(1, profile.grad_bytes)
     split = None
-    if profile.tied:
+    already = profile.meta.get("tied_split")
+    if already:
+        reasons.append(f"{', '.join(already)} is split already (split_tied_embeddings=True): this profile's "
+                       "readiness is the split's")
+    elif profile.tied:
         best_settings = SimSettings(partition_bytes=settings.get("partition_bytes", SimSettings().partition_bytes),
                                     credit_bytes=settings.get("credit_bytes", SimSettings().credit_bytes),
                                     fusion_bytes=fusion)

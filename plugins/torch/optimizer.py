@@ -1380,7 +1380,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if recorder is None:
             raise ValueError("profile() needs the model: create the DistributedOptimizer with model=... "
                              "(without it there are no layers to time)")
-        return profile_recorded(recorder, cross_iteration=self._cross, world_size=self.world_size)
+        prof = profile_recorded(recorder, cross_iteration=self._cross, world_size=self.world_size)
+        if self._split_states:  # measured with the split on: its readiness is already the split's
+            prof = dataclasses.replace(prof, meta=dict(prof.meta, tied_split=[s.name for s in self._split_states]))
+        return prof
 
     def report(self, topology: Any = None) -> str:
         """A short summary of the training so far: exposed communication per step, bytes and pieces

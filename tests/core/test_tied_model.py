@@ -135,6 +135,9 @@ def test_advise_prices_the_split_where_the_profile_names_a_tied_embedding():
     assert f"{out['split_tied_step_s']:.3g} s" in reason
     plain = advise(Profile(layers=lm().layers), topo)
     assert plain["split_tied_step_s"] is None
+    done = advise(lm().with_tied_split(), topo)  # e.g. opt.profile() of a run with the split on
+    assert done["split_tied_step_s"] is None
+    assert any("is split already" in r for r in done["reasons"])
 
 
 def test_the_zoo_names_the_tied_embeddings_of_the_models_that_tie_them():

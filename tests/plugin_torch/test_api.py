@@ -172,6 +172,9 @@ def test_split_tied_embeddings_trains_as_plain_sgd_on_one_rank_and_close_gives_t
     opt.synchronize()
     assert torch.allclose(model.wte.weight, ref.wte.weight, atol=1e-6)
     assert list(model.state_dict()) == keys and opt.stats()["tied_embeddings"]["wte"]["exchanges"] == 4
+    # the recorded profile names the tie and says its readiness is the split's (advise does not offer it again)
+    prof = opt.profile()
+    assert prof.tied == ("wte.weight",) and prof.meta["tied_split"] == ["wte.weight"]
     opt.close()
     assert "forward" not in model.wte.__dict__ and not commsched_threads()
 
