@@ -104,7 +104,7 @@ def test_split_tied_embeddings_stay_allclose_and_send_the_projection_part_first(
              dict(split, optimizer="adam", ordering="static"), dict(split, optimizer="adam", fusion=1 << 16),
              dict(split, optimizer="adam", alternate_branch=True, steps=6),
              # gradient accumulation: the passes' rows are kept and exchanged once, with the last pass's
-             dict(split, optimizer="adam", accum=2, steps=4),
+             dict(split, optimizer="adam", accum=2, steps=4), dict(split, optimizer="adam", accum=2, cross=0, steps=4),
              dict(split, optimizer="sgd_momentum", accum=3, no_sync=True, cross=0, steps=4)]
     results = ranks(2, *scenarios(*items), timeout=180)
     plain = results[0][0]
