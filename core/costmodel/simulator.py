@@ -120,12 +120,14 @@ def fusion_runs(profile: Profile, fusion_bytes: int) -> list[list[Any]]:
     (``DistributedOptimizer``'s ``fusion_bytes``): runs of adjacent tensors, each smaller than
     ``fusion_bytes`` and not empty, of one element size, together at most ``fusion_bytes``, are
     one run; every other tensor is a run of its own. Adjacent in forward order is adjacent in
-    backward, so a run waits only for tensors ready at about the same time."""
+    backward, so a run waits only for tensors ready at about the same time. A split tied embedding
+    (``meta["tied_split"]``, :meth:`Profile.with_tied_split`) stays alone, as the runtime keeps it."""
     runs: list[list[Any]] = []
     current: list[Any] = []
     size = 0
+    alone = set(profile.meta.get("tied_split") or ())
     for t in (t for layer in profile.layers for t in layer.tensors):
-        small = fusion_bytes > 0 and 0 < t.nbytes < fusion_bytes
+        small = fusion_bytes > 0 and 0 < t.nbytes < fusion_bytes and t.name not in alone
         if small and current and size + t.nbytes <= fusion_bytes and current[0].element_size == t.element_size:
             current.append(t)
             size += t.nbytes

@@ -990,6 +990,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                         on_done=None if self._engine_averages else self._after_reduce, ready=ready)
         for s in fusion.members:
             s.future = future
+            if s.split is not None:  # a plan that fused a split tied weight: its rows go as in _submit
+                s.split.arm()
 
     def _divisor(self) -> float:
         """What the sum is divided by for an average (Horovod's predivide already took ``f``)."""

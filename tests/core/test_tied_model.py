@@ -153,3 +153,14 @@ def test_the_zoo_names_the_tied_embeddings_of_the_models_that_tie_them():
     settings = SimSettings(partition_bytes=16 * MB, credit_bytes=64 * MB)
     assert (simulate(gpt, topo, "dynamic+tied", settings).step_time_s
             < simulate(gpt, topo, "dynamic", settings).step_time_s)
+
+
+def test_a_split_tied_weight_is_never_fused_as_the_runtime_keeps_it_alone():
+    from commsched.costmodel.simulator import fusion_runs
+
+    layers = (LayerProfile("embed", 0.001, 0.002, (TensorSpec("wte.weight", 1000),)),
+              LayerProfile("mix", 0.001, 0.002, (TensorSpec("mix.weight", 1000), TensorSpec("mix.bias", 10))))
+    prof = Profile(layers=layers, tied=("wte.weight",))
+    assert [[t.name for t in run] for run in fusion_runs(prof, 1 << 20)] == [["wte.weight", "mix.weight", "mix.bias"]]
+    split = [[t.name for t in run] for run in fusion_runs(prof.with_tied_split(), 1 << 20)]
+    assert split == [["wte.weight"], ["mix.weight", "mix.bias"]]

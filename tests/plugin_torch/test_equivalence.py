@@ -105,6 +105,8 @@ def test_split_tied_embeddings_stay_allclose_and_send_the_projection_part_first(
              dict(split, optimizer="adam", alternate_branch=True, steps=6),
              # gradient accumulation: the passes' rows are kept and exchanged once, with the last pass's
              dict(split, optimizer="adam", accum=2, steps=4), dict(split, optimizer="adam", accum=2, cross=0, steps=4),
+             # planned in-process: the plan is made from the recorded steps, which have the split's readiness
+             dict(split, optimizer="adam", ordering="planned", steps=8),
              dict(split, optimizer="sgd_momentum", accum=3, no_sync=True, cross=0, steps=4)]
     results = ranks(2, *scenarios(*items), timeout=180)
     plain = results[0][0]
