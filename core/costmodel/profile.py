@@ -228,6 +228,9 @@ class Profile:
         unknown = [n for n in chosen if n not in known]
         if unknown:
             raise ValueError(f"with_tied_split: {unknown} names no tensor of the profile")
+        done = set(self.meta.get("tied_split") or ())
+        if done.issuperset(chosen):
+            return self  # split already (e.g. opt.profile() of a run with the split: its readiness is measured)
         ready = self.ready_times()
         holders = [i for i, layer in enumerate(self.layers) if any(t.name in chosen for t in layer.tensors)]
         if ready_s is None:
@@ -254,7 +257,7 @@ class Profile:
                                        apply_s=layer.apply_s * share, ready_s=ready_s))
             # the layer keeps its own readiness: the end of its backward, as before the split
             layers.append(replace(layer, tensors=rest, apply_s=layer.apply_s * (1.0 - share), ready_s=ready[i]))
-        return replace(self, layers=tuple(layers), meta=dict(self.meta, tied_split=list(chosen)))
+        return replace(self, layers=tuple(layers), meta=dict(self.meta, tied_split=sorted(done | set(chosen))))
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def _summed(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 class _Exchange:
-    """One backward's rows on their way to every rank: ``result`` (ids, rows) or ``error`` once ``event``."""
+    """One step's rows on their way to every rank: ``result`` (ids, rows) or ``error`` once ``event``."""
 
     __slots__ = ("event", "result", "error")
 

@@ -47,6 +47,7 @@ def test_the_split_makes_the_tied_weight_ready_with_the_head_and_changes_nothing
     assert [t.name for t in planned_tensors(split)] == [t.name for t in planned_tensors(prof)]
     assert split.compute_s == pytest.approx(prof.compute_s) and split.grad_bytes == prof.grad_bytes
     assert split.tied == prof.tied and split.meta["tied_split"] == ["wte.weight"]
+    assert split.with_tied_split() is split  # split already (a profile measured with the split keeps its times)
 
 
 def test_a_tied_weight_that_shares_its_layer_moves_to_a_layer_of_its_own_before_it():
