@@ -121,12 +121,16 @@ def default_store() -> C10dStore:
     return C10dStore(store)
 
 
-def own_group(timeout_s: float) -> "dist.ProcessGroup":
-    """A new process group over the default group's ranks (every rank must call it, in one order). On
+def own_group(timeout_s: float, like: Optional["dist.ProcessGroup"] = None) -> "dist.ProcessGroup":
+    """A new process group over the default group's ranks (every rank must call it, in one order), or
+    over the ranks of ``like`` (a user's ``process_group``: only its ranks call it, in one order). On
     gloo its waits end after ``timeout_s``: a peer that died mid-collective cannot hold a gloo thread,
     nor the group's teardown, for the default group's timeout (30 min unless the user set one). NCCL
     keeps the user's: its watchdog would abort the process instead."""
     options = {"timeout": datetime.timedelta(seconds=timeout_s)} if dist.get_backend() == "gloo" else {}
+    if like is not None:
+        return dist.new_group(dist.get_process_group_ranks(like), backend=dist.get_backend(like),
+                              use_local_synchronization=True, **options)
     return dist.new_group(backend=dist.get_backend(), **options)
 
 
@@ -311,13 +315,13 @@ class TorchBackend:
             delay = min(delay * 2, _POLL_MAX_S)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        """Overwrite ``tensor`` with rank ``root``'s, in place, on our group."""
-        dist.broadcast(tensor, root, group=self._open_group())
+        """Overwrite ``tensor`` with rank ``root``'s (a rank of our group, as :attr:`rank` counts), in place."""
+        dist.broadcast(tensor, group=self._open_group(), group_src=root)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
-        """Rank ``root``'s ``obj`` (picklable), on every rank."""
+        """Group rank ``root``'s ``obj`` (picklable), on every rank."""
         payload = [obj]
-        dist.broadcast_object_list(payload, root, group=self._open_group())
+        dist.broadcast_object_list(payload, group=self._open_group(), group_src=root)
         return payload[0]
 
     def _open_group(self) -> "dist.ProcessGroup":
@@ -339,10 +343,18 @@ class TorchBackend:
         if self._hierarchical is not None:
             self._hierarchical.close()
         group, self.group = self.group, None
-        if group is not None and self._owns_group and dist.is_initialized():
-            name = dist.distributed_c10d._get_process_group_name(group)
-            dist.destroy_process_group(group)
-            _delete_rendezvous_key(name, self.rank)
+        if group is not None and self._owns_group:
+            destroy_own_group(group)
+
+
+def destroy_own_group(group: "dist.ProcessGroup") -> None:
+    """Destroy a group :func:`own_group` made, and this rank's rendezvous key of it."""
+    if not dist.is_initialized():
+        return
+    name = dist.distributed_c10d._get_process_group_name(group)
+    rank = dist.get_rank(group)
+    dist.destroy_process_group(group)
+    _delete_rendezvous_key(name, rank)
 
 
 def _delete_rendezvous_key(group_name: str, rank: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import inspect
 import itertools
 import logging
@@ -53,7 +54,7 @@ from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
 from commsched.tuner import (PLANNED, UNLIMITED_BYTES, AgreedSwitch, Decision, SearchSpace, Settings, Tuner,
                              model_starts)
-from commsched.plugins.torch.backends import default_store, make_backend, own_group, resolve_backend
+from commsched.plugins.torch.backends import default_store, destroy_own_group, make_backend, own_group, resolve_backend
 from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
 from commsched.costmodel.profile import Profile
@@ -290,15 +291,24 @@ def _load_topology(topology: Any) -> Any:
                     f"probe --json topology.json`), got {type(topology).__name__}")
 
 
-def _check_split(split: Any, model: Any, process_group: Any) -> list[tuple[str, torch.nn.Embedding]]:
+def _group_key(process_group: Any) -> str:
+    """Where a user's ``process_group`` puts its keys in the default store, which every rank of the job
+    shares: the digest of its global ranks (two data-parallel groups of one job each have a rank 0 that
+    decides, and their decisions must not land under the same key); "" for the default group's ranks."""
+    if process_group is None:
+        return ""
+    ranks = ",".join(str(r) for r in dist.get_process_group_ranks(process_group))
+    return "g" + hashlib.sha256(ranks.encode()).hexdigest()[:12] + "/"
+
+
+def _check_split(split: Any, model: Any) -> list[tuple[str, torch.nn.Embedding]]:
     """``split_tied_embeddings``: the tied embeddings to split (empty when off); ``ValueError`` naming the
     fix where the split cannot run."""
     if not isinstance(split, bool):
         raise TypeError(f"split_tied_embeddings={split!r} must be True or False")
     if not split:
         return []
-    why = ("it needs the model (model=your_module)" if model is None else
-           "it runs on the default group's ranks (leave process_group=None)" if process_group is not None else None)
+    why = "it needs the model (model=your_module)" if model is None else None
     if why:
         raise ValueError(f"split_tied_embeddings=True: {why}; or drop split_tied_embeddings")
     from commsched.plugins.torch.tied import find_tied_embeddings
@@ -446,7 +456,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 f"{type(optimizer).__name__} needs a closure that re-evaluates the loss on all gradients at once, "
                 "which per-parameter scheduled updates cannot provide; use it without commsched or reduce manually")
         backend = resolve_backend(backend)
-        tied = _check_split(split_tied_embeddings, model, process_group)
+        tied = _check_split(split_tied_embeddings, model)
         if backend == "horovod" and process_group is not None:
             raise ValueError("process_group is a torch.distributed group; backend='horovod' reduces over all "
                              "Horovod ranks (leave process_group=None)")
@@ -545,7 +555,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                     (planned or self._adaptive) and self.world_size > 1 and not self._backend.negotiates_order):
                 store = default_store()  # planned: plan check, aborts (order priority/observed: decisions)
             self._store = store
-            prefix = self._prefix = f"commsched/opt{next(_instances)}"
+            prefix = self._prefix = f"commsched/{_group_key(process_group)}opt{next(_instances)}"
             if planned:
                 self._start_plan(store, prefix)
             self._switch = AgreedSwitch(self.rank, self.world_size, store=store, prefix=prefix,
@@ -799,7 +809,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         from commsched.plugins.torch.tied import TiedSplit
 
         horovod = getattr(self._backend, "all_gather_rows", None)  # Horovod: its allgather, matched by name
-        group = own_group(self.config.timeout_s) if self.world_size > 1 and horovod is None else None
+        # on a user's process_group, a twin of it (only its ranks make it)
+        like = None if getattr(self._backend, "_owns_group", True) else self._backend.group
+        group = own_group(self.config.timeout_s, like) if self.world_size > 1 and horovod is None else None
+        self._split_group = group  # destroyed by _close_splits
         scale = 1.0 / self.world_size if self._op == "average" else 1.0
         for name, module in tied:
             state = self._by_param.get(id(module.weight))
@@ -818,6 +831,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 s.split.close()
             except Exception:  # noqa: BLE001 - closing must go on
                 log.exception("closing the split of tied embedding %r", s.split.name)
+        group, self._split_group = getattr(self, "_split_group", None), None
+        if group is not None:
+            try:
+                destroy_own_group(group)
+            except Exception:  # noqa: BLE001 - closing must go on
+                log.exception("destroying the tied embeddings' process group")
 
     # --------------------------------------------------------------- set-up
     @staticmethod

@@ -128,7 +128,8 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          state_roundtrip=False, unused_on_rank=-1, timeline=None, no_sync=False,
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
                          alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0,
-                         auto_plan=False, plan_order="fixed", auto_sync_first=False, split_tied=False)
+                         auto_plan=False, plan_order="fixed", auto_sync_first=False, split_tied=False,
+                         dp_groups=1)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -171,9 +172,21 @@ def test_plan(model, sc: dict, rank: int, world: int) -> Plan:
 
 
 def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
-    """Train ``sc['steps']`` steps with commsched and with plain synchronous all-reduce; compare."""
+    """Train ``sc['steps']`` steps with commsched and with plain synchronous all-reduce; compare.
+
+    ``sc['dp_groups']`` > 1: the job's ranks form that many data-parallel groups (rank r in group
+    r % dp_groups), each training its own replica on ``process_group=`` its group, against a reference
+    that all-reduces on a twin of the group."""
     dtype = getattr(torch, sc["dtype"])
     result: dict = {}
+    process_group = None
+    if sc["dp_groups"] > 1:
+        members = [[r for r in range(world) if r % sc["dp_groups"] == g] for g in range(sc["dp_groups"])]
+        mine = rank % sc["dp_groups"]
+        groups = [dist.new_group(m, backend="gloo") for m in members]  # every rank makes every group, in order
+        twins = [dist.new_group(m, backend="gloo") for m in members]
+        process_group, ref_group, world = groups[mine], twins[mine], len(members[mine])
+        result["group_ranks"] = members[mine]
     model, ref = build(sc["model"], dtype), build(sc["model"], dtype)
     if sc["desync_init"]:  # ranks start from different weights: the broadcast must fix that
         with torch.no_grad():
@@ -213,7 +226,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                                 inter=Link(50e-6, 1e4))  # very slow: the gradient dominates
         opt = DistributedOptimizer(OPTIMIZERS[sc["optimizer"]](list(model.parameters())), model, backend="torch",
                                    config=config, backward_passes_per_step=1 if sc["no_sync"] else sc["accum"],
-                                   topology=topology, split_tied_embeddings=sc["split_tied"])
+                                   topology=topology, split_tied_embeddings=sc["split_tied"],
+                                   process_group=process_group)
         result["hierarchical_threads"] = sum(t.name.startswith("commsched-hier-") for t in threading.enumerate())
         if sc["desync_init"]:  # the reference starts from rank 0's weights, as commsched broadcast them
             ref.load_state_dict(model.state_dict())

@@ -143,6 +143,29 @@ def test_four_ranks_allclose_dynamic_and_static(ranks):
         assert [r["order"] for r in other] == [r["order"] for r in results[0]]
 
 
+@pytest.mark.timeout(200)
+def test_two_data_parallel_groups_of_one_job_each_train_bitwise_on_their_own_process_group(ranks):
+    """process_group=: ranks {0, 2} and {1, 3} train two replicas on two data streams. Each group's rank 0
+    decides the order for its own group only (its keys in the job's shared store are its own), the
+    start is broadcast from the group's own rank 0 (global rank 1 for the second group), and a tied
+    embedding's rows are exchanged within the group."""
+    items = [{"optimizer": "adam", "ordering": "dynamic", "dp_groups": 2, "desync_init": True, "delay": 0.002,
+              "steps": 6},
+             {"optimizer": "sgd_momentum", "ordering": "static", "dp_groups": 2, "steps": 6},
+             # the tied split's rows go on a twin of each group, made by that group's ranks only
+             {"model": "gpt", "split_tied": True, "optimizer": "adam", "dp_groups": 2, "steps": 4}]
+    results = ranks(4, *scenarios(*items), timeout=180)
+    check_all([r[:2] for r in results], exact=True)
+    check_all([r[2:] for r in results], exact=False)
+    assert all(r[2]["stats"]["tied_embeddings"]["embed"]["exchanges"] == 4 for r in results)
+    for a, b in ((0, 2), (1, 3)):
+        for ra, rb in zip(results[a], results[b], strict=True):
+            assert ra["group_ranks"] == rb["group_ranks"] == [a, b]
+            assert ra["param_sha256"] == rb["param_sha256"] and ra["order"] == rb["order"], ra["scenario"]
+    for r0, r1 in zip(results[0], results[1], strict=True):  # two replicas, two data streams
+        assert r0["param_sha256"] != r1["param_sha256"], r0["scenario"]
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_mid_training_makes_the_others_fail_clearly_not_hang(ranks):
     results = ranks(2, *scenarios({"die_rank": 1, "die_step": 3, "steps": 8}), timeout=100, may_die=(1,))
