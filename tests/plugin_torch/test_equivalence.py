@@ -152,12 +152,19 @@ def test_two_data_parallel_groups_of_one_job_each_train_bitwise_on_their_own_pro
     items = [{"optimizer": "adam", "ordering": "dynamic", "dp_groups": 2, "desync_init": True, "delay": 0.002,
               "steps": 6},
              {"optimizer": "sgd_momentum", "ordering": "static", "dp_groups": 2, "steps": 6},
+             # the tuner's switches are agreed within each group (its own keys, its own rank 0)
+             {"ordering": "auto", "optimizer": "adam", "fast_tuner": True, "dp_groups": 2, "steps": 20},
              # the tied split's rows go on a twin of each group, made by that group's ranks only
              {"model": "gpt", "split_tied": True, "optimizer": "adam", "dp_groups": 2, "steps": 4}]
     results = ranks(4, *scenarios(*items), timeout=180)
-    check_all([r[:2] for r in results], exact=True)
-    check_all([r[2:] for r in results], exact=False)
-    assert all(r[2]["stats"]["tied_embeddings"]["embed"]["exchanges"] == 4 for r in results)
+    check_all([r[:3] for r in results], exact=True)
+    check_all([r[3:] for r in results], exact=False)
+    assert all(r[3]["stats"]["tied_embeddings"]["embed"]["exchanges"] == 4 for r in results)
+    for leader, follower in ((0, 2), (1, 3)):  # each group's own rank 0 decides its switches
+        tuner, follows = results[leader][2]["stats"]["tuner"], results[follower][2]["stats"]["tuner"]
+        assert tuner["role"] == "decides" and follows["role"] == "follows"
+        assert tuner["switches"] == follows["switches"]
+        assert len([s for s in tuner["switches"] if s["settings"] is not None]) >= 2, tuner["switches"]
     for a, b in ((0, 2), (1, 3)):
         for ra, rb in zip(results[a], results[b], strict=True):
             assert ra["group_ranks"] == rb["group_ranks"] == [a, b]
