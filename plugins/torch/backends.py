@@ -161,16 +161,15 @@ class TorchBackend:
                 "backend='torch' needs an initialized default process group: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') before creating DistributedOptimizer"
             )
-        self._owns_group = group is None
         self.timeout_s = float(timeout_s)
-        if group is None:
-            # A group of our own: collectives the user issues on the default group
-            # while pieces are still in flight (cross-iteration) cannot interleave
-            # with ours in a different order on different ranks.
-            group = own_group(self.timeout_s)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        #: the user's ``process_group`` (None: the default group's ranks)
+        self.like = group
+        # A group of our own, over the default group's ranks or the user's group's: collectives the user
+        # issues on that group while pieces are still in flight (cross-iteration) cannot interleave with
+        # ours in a different order on different ranks.
+        self.group = own_group(self.timeout_s, like=group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
         #: the stream/event operations (a :class:`FakeCuda` one in tests); real ones are made lazily
         self.device_streams = device_streams
         self._inflight: collections.deque = collections.deque()  # (completion event, done, error box)
@@ -343,7 +342,7 @@ class TorchBackend:
         if self._hierarchical is not None:
             self._hierarchical.close()
         group, self.group = self.group, None
-        if group is not None and self._owns_group:
+        if group is not None:
             destroy_own_group(group)
 
 

@@ -810,7 +810,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
 
         horovod = getattr(self._backend, "all_gather_rows", None)  # Horovod: its allgather, matched by name
         # on a user's process_group, a twin of it (only its ranks make it)
-        like = None if getattr(self._backend, "_owns_group", True) else self._backend.group
+        like = getattr(self._backend, "like", None)
         group = own_group(self.config.timeout_s, like) if self.world_size > 1 and horovod is None else None
         self._split_group = group  # destroyed by _close_splits
         scale = 1.0 / self.world_size if self._op == "average" else 1.0

@@ -176,7 +176,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
 
     ``sc['dp_groups']`` > 1: the job's ranks form that many data-parallel groups (rank r in group
     r % dp_groups), each training its own replica on ``process_group=`` its group, against a reference
-    that all-reduces on a twin of the group."""
+    that all-reduces on that same group."""
     dtype = getattr(torch, sc["dtype"])
     result: dict = {}
     process_group = None
@@ -184,8 +184,10 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         members = [[r for r in range(world) if r % sc["dp_groups"] == g] for g in range(sc["dp_groups"])]
         mine = rank % sc["dp_groups"]
         groups = [dist.new_group(m, backend="gloo") for m in members]  # every rank makes every group, in order
-        twins = [dist.new_group(m, backend="gloo") for m in members]
-        process_group, ref_group, world = groups[mine], twins[mine], len(members[mine])
+        # the reference all-reduces on the user's group itself while commsched's pieces are in flight:
+        # commsched must communicate on a twin of it, or the two would interleave differently per rank
+        process_group = ref_group = groups[mine]
+        world = len(members[mine])
         result["group_ranks"] = members[mine]
     model, ref = build(sc["model"], dtype), build(sc["model"], dtype)
     if sc["desync_init"]:  # ranks start from different weights: the broadcast must fix that
