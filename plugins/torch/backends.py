@@ -127,11 +127,12 @@ def own_group(timeout_s: float, like: Optional["dist.ProcessGroup"] = None) -> "
     gloo its waits end after ``timeout_s``: a peer that died mid-collective cannot hold a gloo thread,
     nor the group's teardown, for the default group's timeout (30 min unless the user set one). NCCL
     keeps the user's: its watchdog would abort the process instead."""
-    options = {"timeout": datetime.timedelta(seconds=timeout_s)} if dist.get_backend() == "gloo" else {}
+    backend = dist.get_backend(like)  # like=None: the default group's
+    options = {"timeout": datetime.timedelta(seconds=timeout_s)} if backend == "gloo" else {}
     if like is not None:
-        return dist.new_group(dist.get_process_group_ranks(like), backend=dist.get_backend(like),
-                              use_local_synchronization=True, **options)
-    return dist.new_group(backend=dist.get_backend(), **options)
+        return dist.new_group(dist.get_process_group_ranks(like), backend=backend, use_local_synchronization=True,
+                              **options)
+    return dist.new_group(backend=backend, **options)
 
 
 class TorchBackend:
@@ -163,7 +164,7 @@ class TorchBackend:
             )
         self.timeout_s = float(timeout_s)
         #: the user's ``process_group`` (None: the default group's ranks)
-        self.like = group
+        self.user_group = group
         # A group of our own, over the default group's ranks or the user's group's: collectives the user
         # issues on that group while pieces are still in flight (cross-iteration) cannot interleave with
         # ours in a different order on different ranks.

@@ -308,9 +308,9 @@ def _check_split(split: Any, model: Any) -> list[tuple[str, torch.nn.Embedding]]
         raise TypeError(f"split_tied_embeddings={split!r} must be True or False")
     if not split:
         return []
-    why = "it needs the model (model=your_module)" if model is None else None
-    if why:
-        raise ValueError(f"split_tied_embeddings=True: {why}; or drop split_tied_embeddings")
+    if model is None:
+        raise ValueError("split_tied_embeddings=True: it needs the model (model=your_module); or drop "
+                         "split_tied_embeddings")
     from commsched.plugins.torch.tied import find_tied_embeddings
 
     tied = find_tied_embeddings(model)
@@ -804,14 +804,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
 
     def _split_tied(self, tied: list[tuple[str, torch.nn.Embedding]]) -> None:
         """``split_tied_embeddings``: one :class:`~commsched.plugins.torch.tied.TiedSplit` per tied
-        embedding, its rows exchanged on a process group of its own (made here by every rank, in one order),
-        or on Horovod by its allgather under a name of their own."""
+        embedding, its rows exchanged on a process group of its own (made here by every rank of the default
+        group, or of the user's ``process_group``, in one order), or on Horovod by its allgather under a name
+        of their own."""
         from commsched.plugins.torch.tied import TiedSplit
 
         horovod = getattr(self._backend, "all_gather_rows", None)  # Horovod: its allgather, matched by name
-        # on a user's process_group, a twin of it (only its ranks make it)
-        like = getattr(self._backend, "like", None)
-        group = own_group(self.config.timeout_s, like) if self.world_size > 1 and horovod is None else None
+        user_group = getattr(self._backend, "user_group", None)
+        group = own_group(self.config.timeout_s, user_group) if self.world_size > 1 and horovod is None else None
         self._split_group = group  # destroyed by _close_splits
         scale = 1.0 / self.world_size if self._op == "average" else 1.0
         for name, module in tied:
