@@ -521,14 +521,15 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     fusion = SimSettings().fusion_bytes if fusion_bytes is None else int(fusion_bytes)
     ddp = min((simulate(profile, topology, name) for name in ("ddp", "ddp:4", "ddp:1")),
               key=lambda r: r.step_time_s)
-    candidates = [(simulate(profile, topology, "fifo", SimSettings(fusion_bytes=fusion)), {"ordering": "fifo"})]
+    plain = SimSettings(fusion_bytes=fusion)
+    candidates = [(simulate(profile, topology, "fifo", plain), {"ordering": "fifo"}, plain)]
     for p_mb, c_mb in itertools.product(partition_mb, credit_mb):
         if c_mb < p_mb:
             continue
         s = SimSettings(partition_bytes=int(p_mb * MB), credit_bytes=int(c_mb * MB), fusion_bytes=fusion)
         chosen = {"ordering": "dynamic", "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
-        candidates.append((simulate(profile, topology, "dynamic", s), chosen))
-    best, settings = min(candidates, key=lambda c: c[0].step_time_s)
+        candidates.append((simulate(profile, topology, "dynamic", s), chosen, s))
+    best, settings, best_sim = min(candidates, key=lambda c: c[0].step_time_s)
     speedup = ddp.step_time_s / best.step_time_s
     comm = allreduce_s(topology, profile.grad_bytes, "ring") if topology.world_size > 1 else 0.0
     algo, algo_s = best_algorithm(topology, profile.grad_bytes) if topology.world_size > 1 else ("ring", 0.0)
@@ -550,13 +551,10 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         reasons.append(f"{', '.join(already)} is split already (split_tied_embeddings=True): this profile's "
                        "readiness is the split's")
     elif profile.tied:
-        best_settings = SimSettings(partition_bytes=settings.get("partition_bytes", SimSettings().partition_bytes),
-                                    credit_bytes=settings.get("credit_bytes", SimSettings().credit_bytes),
-                                    fusion_bytes=fusion)
-        split = simulate(profile, topology, "dynamic+tied", best_settings)
+        split = simulate(profile, topology, f"{settings['ordering']}+tied", best_sim)
         reasons.append(f"{', '.join(profile.tied)} is a tied embedding: with PyTorch's DistributedOptimizer("
                        f"split_tied_embeddings=True) the simulated step is {split.step_time_s:.3g} s "
-                       f"({ddp.step_time_s / split.step_time_s:.2f}x {ddp.strategy}; dynamic with these settings, "
+                       f"({ddp.step_time_s / split.step_time_s:.2f}x {ddp.strategy}; the recommended settings, "
                        "the lookup's rows not modelled; docs/torch.md, Tied embeddings)")
     elif first > 0.2:
         reasons.append(f"the first layer is needed first, ready last and large ({first:.0%} of the gradient): its "

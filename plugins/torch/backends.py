@@ -347,6 +347,29 @@ class TorchBackend:
             destroy_own_group(group)
 
 
+def all_gather_rows(ids: torch.Tensor, rows: torch.Tensor,
+                    group: "dist.ProcessGroup") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``ids`` and ``rows`` (any number of rows per rank) on ``group``, concatenated in rank
+    order: a split tied embedding's rows (:mod:`commsched.plugins.torch.tied`; Horovod's counterpart is
+    :meth:`HorovodBackend.all_gather_rows`). The counts go first, then ids and rows padded to the largest."""
+    world = dist.get_world_size(group)
+    count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    n = [int(c.item()) for c in counts]
+    most = max(n)
+    padded_ids = torch.zeros(most, dtype=ids.dtype, device=ids.device)
+    padded_ids[:ids.numel()] = ids
+    padded_rows = torch.zeros(most, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    padded_rows[:rows.shape[0]] = rows
+    all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
+    all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
+    dist.all_gather(all_ids, padded_ids, group=group)
+    dist.all_gather(all_rows, padded_rows, group=group)
+    return (torch.cat([a[:k] for a, k in zip(all_ids, n, strict=True)]),
+            torch.cat([a[:k] for a, k in zip(all_rows, n, strict=True)]))
+
+
 def destroy_own_group(group: "dist.ProcessGroup") -> None:
     """Destroy a group :func:`own_group` made, and this rank's rendezvous key of it."""
     if not dist.is_initialized():

@@ -54,7 +54,8 @@ from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
 from commsched.tuner import (PLANNED, UNLIMITED_BYTES, AgreedSwitch, Decision, SearchSpace, Settings, Tuner,
                              model_starts)
-from commsched.plugins.torch.backends import default_store, destroy_own_group, make_backend, own_group, resolve_backend
+from commsched.plugins.torch.backends import (all_gather_rows, default_store, destroy_own_group, make_backend,
+                                              own_group, resolve_backend)
 from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
 from commsched.costmodel.profile import Profile
@@ -819,10 +820,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             if state is None:
                 raise ValueError(f"split_tied_embeddings: the weight of tied embedding {name!r} is not among the "
                                  "optimizer's parameters with a gradient; give the optimizer model.parameters()")
-            # Horovod: one name per embedding, the same on every rank
-            gather = None if horovod is None else functools.partial(horovod, name=f"commsched.tied.{name}")
-            state.split = TiedSplit(name or "embedding", module, group=group, world_size=self.world_size,
-                                    scale=scale, timeout_s=self.config.timeout_s, gather=gather)
+            gather = None  # one rank: its own rows are every rank's
+            if horovod is not None:  # one name per embedding, the same on every rank
+                gather = functools.partial(horovod, name=f"commsched.tied.{name}")
+            elif group is not None:
+                gather = functools.partial(all_gather_rows, group=group)
+            state.split = TiedSplit(name or "embedding", module, gather=gather, scale=scale,
+                                    timeout_s=self.config.timeout_s)
             self._split_states.append(state)
 
     def _close_splits(self) -> None:

@@ -14,9 +14,10 @@ order (docs/bench.md, "Where the time goes": gpt2's ~0.2-0.3 s a step at 1 Gbit/
 - the lookup's part is a handful of rows (one per distinct token of the batch, where the dense
   form is vocab x dim of mostly zeros). The lookup's own backward (a custom autograd function)
   takes its output's gradient; each rank sums its rows per token id, and a thread of this module
-  all-gathers every rank's ids and rows on a process group of its own (so it never interleaves
-  with the scheduler's collectives; on Horovod, ``HorovodBackend.all_gather_rows``: Horovod's
-  allgather under names of their own, which Horovod matches by name);
+  all-gathers every rank's ids and rows: on torch.distributed on a process group of its own, so it
+  never interleaves with the scheduler's collectives (``backends.all_gather_rows``); on Horovod by
+  its allgather under names of their own, which Horovod matches by name
+  (``HorovodBackend.all_gather_rows``);
 - before the update (cross-iteration: the embedding's forward pre-hook; synchronous: ``step()``)
   the gathered rows are added to the averaged dense part: ``grad += index_add(rows) / world``.
 
@@ -34,7 +35,6 @@ import threading
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -101,15 +101,15 @@ class _Exchange:
 
 class TiedSplit:
     """The split of one tied ``nn.Embedding`` (module docstring). Every rank makes one per tied
-    embedding, in the same order, with the same ``group``."""
+    embedding, in the same order, with the same ``gather``."""
 
-    def __init__(self, name: str, module: nn.Embedding, *, group: Any, world_size: int, scale: float,
-                 timeout_s: float, gather: Optional[Callable[[torch.Tensor, torch.Tensor], tuple]] = None) -> None:
-        self.name, self.module, self.group = name, module, group
-        # Horovod: the backend's all_gather_rows (variable row counts, bounded waits); None: torch.distributed
-        # on ``group``
+    def __init__(self, name: str, module: nn.Embedding, *, gather: Optional[Callable[..., tuple]], scale: float,
+                 timeout_s: float) -> None:
+        self.name, self.module = name, module
+        # every rank's (ids, rows) from this rank's, in rank order (the engine's all_gather_rows, see
+        # backends.py); None: one rank
         self._gather = gather
-        self.world_size, self.scale, self.timeout_s = world_size, scale, timeout_s
+        self.scale, self.timeout_s = scale, timeout_s
         # lets the lookup's output require grad without the weight (its own gradient is always None)
         self._anchor = torch.zeros((), requires_grad=True)
         self._parts: list[_Exchange] = []  # this step's exchanges (one a step, see flush)
@@ -184,32 +184,10 @@ class TiedSplit:
             exchange.event.set()
 
     def _all_gather(self, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.world_size == 1:
-            self.exchanges += 1
-            self.rows += ids.numel()
-            return ids, rows
-        if self._gather is not None:
-            all_ids, all_rows = self._gather(ids, rows)
-            self.exchanges += 1
-            self.rows += all_ids.numel()
-            return all_ids, all_rows
-        count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
-        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
-        dist.all_gather(counts, count, group=self.group)
-        n = [int(c.item()) for c in counts]
-        most = max(n)
-        padded_ids = torch.zeros(most, dtype=ids.dtype, device=ids.device)
-        padded_ids[:ids.numel()] = ids
-        padded_rows = torch.zeros(most, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        padded_rows[:rows.shape[0]] = rows
-        all_ids = [torch.empty_like(padded_ids) for _ in range(self.world_size)]
-        all_rows = [torch.empty_like(padded_rows) for _ in range(self.world_size)]
-        dist.all_gather(all_ids, padded_ids, group=self.group)
-        dist.all_gather(all_rows, padded_rows, group=self.group)
+        all_ids, all_rows = (ids, rows) if self._gather is None else self._gather(ids, rows)
         self.exchanges += 1
-        self.rows += sum(n)
-        return (torch.cat([a[:k] for a, k in zip(all_ids, n, strict=True)]),
-                torch.cat([a[:k] for a, k in zip(all_rows, n, strict=True)]))
+        self.rows += all_ids.numel()
+        return all_ids, all_rows
 
     # ------------------------------------------------------------------------------ the update
     def pending(self) -> bool:
