@@ -23,7 +23,8 @@ Strategies:
 - ``horovod``: plain ``horovod.tensorflow.allreduce`` of every gradient (Horovod's
   defaults: tensor fusion, gloo), no ``tf.distribute``; skipped with a message when
   ``import horovod.tensorflow`` fails;
-- ``hvd_dynamic``: commsched ``DistributedOptimizer(..., backend="horovod")``;
+- ``hvd_dynamic``: commsched ``DistributedOptimizer(..., backend="horovod")``, unrolled
+  as ``dynamic`` is (``--unroll``);
 - ``compute``: the same model on one worker alone, no reduction;
 - ``comm``: only MWMS's all-reduce of the gradients, step after step.
 
@@ -60,10 +61,10 @@ NETNS_PORT = 12345
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the TensorFlow benchmark's flags to ``parser``."""
     add_mlp_bench_arguments(parser, strategies=STRATEGIES, default_strategies=DEFAULT_STRATEGIES, layers=5,
-                            gradient_mb_hint="~18 MB", partition_mb=4.0, credit_mb=8.0,
+                            gradient_mb_hint="~18 MB", partition_mb=4.0, credit_mb=16.0,
                             partition_note=": see docs/tensorflow.md, Limits")
     parser.add_argument("--unroll", type=int, default=2,
-                        help="steps per tf.function for dynamic/static (commsched's unroll; default 2)")
+                        help="steps per tf.function for dynamic/static/hvd_dynamic (commsched's unroll; default 2)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -89,7 +89,7 @@ def _worker(spec_path: str) -> int:
         xb, yb = next(it)
         return dist.run(train_step, args=(xb, yb)) if mwms else train_step(xb, yb)
 
-    per_call = spec["unroll"] if strategy in ("dynamic", "static") else 1
+    per_call = spec["unroll"] if strategy in ("dynamic", "static", "hvd_dynamic") else 1
     if strategy == "comm":  # gradients once, then only MWMS's all-reduce of them, step after step
         def grads_fn(xb, yb):
             with tf.GradientTape() as tape:
