@@ -49,9 +49,9 @@ import tensorflow as tf
 from commsched.config import SchedulerConfig, check_config, check_layer_priority
 from commsched.errors import SchedulerClosed
 from commsched.plan import Plan as CommPlan
-from commsched.plan import PlanMismatch, PlannedTensor
+from commsched.plan import PlanMismatch, PlannedTensor, fused_name
 from commsched.plan_agreement import agree_on_plan, check_plan
-from commsched.replay import Plan, PlanTensor, backward_ready_times, plan
+from commsched.replay import CostModel, Plan, PlannedPiece, PlanTensor, backward_ready_times, plan
 from commsched.plugins.tensorflow import failures, watchdog
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
 from commsched.plugins.tensorflow.measure import Recorder, stamp
@@ -59,8 +59,8 @@ from commsched.plugins.tensorflow.stats import TraceRecord, format_report, reduc
 from commsched.plugins.tensorflow.tensor_ops import check_gradient, dense, join_pieces
 from commsched.timeline import Timeline
 
-__all__ = ["GradientReducer", "OPS", "is_reduced", "mark_reduced", "planned_tensor", "process_report", "slots_for",
-           "variable_name"]
+__all__ = ["GradientReducer", "OPS", "fusion_groups", "is_reduced", "mark_reduced", "planned_tensor", "process_report",
+           "slots_for", "variable_name"]
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +214,12 @@ class GradientReducer:
         return out
 
     def settings(self) -> dict[str, Any]:
-        """The settings in use: ordering, piece size, credit, ordering chains, backend, op, timeout
+        """The settings in use: ordering, piece size, credit, ordering chains, fusion threshold, backend, op, timeout
         (and the plan's digest under ``ordering="planned"``)."""
         out: dict[str, Any] = {"ordering": self.config.ordering, "partition_bytes": self.config.partition_bytes,
                                "credit_bytes": self.config.credit_bytes, "slots": self.slots,
+                               "fusion_bytes": 0 if self.plan is not None else
+                               min(self.config.fusion_bytes, self.config.partition_bytes),
                                "backend": self.backend.name, "op": self.op, "timeout_s": self.config.timeout_s}
         if not self.measure:
             out["measure"] = False
@@ -252,14 +254,44 @@ class GradientReducer:
         return replica_group()
 
     def _reduce_dense(self, values: list[tf.Tensor], names: list[str], group: ReplicaGroup) -> list[tf.Tensor]:
+        """Large gradients: cut, ordered by the replay, on the slots' chains. Small ones (each under
+        ``fusion_bytes``, and at most ``partition_bytes``): concatenated into fusion groups
+        (:func:`fusion_groups`), one piece each, off the chains (slot ``-1 - g``, a token of its
+        own): each goes as soon as its members exist and never holds up a large piece. The credit
+        counts the large pieces only; the small ones add at most the sum of the small gradients
+        to the bytes in flight."""
         sizes = [int(v.shape.num_elements()) * v.dtype.size for v in values]
         ready = backward_ready_times(sizes)
-        tensors = [PlanTensor(name=names[i], numel=int(v.shape.num_elements()), element_size=v.dtype.size,
-                              priority=i, ready=ready[i]) for i, v in enumerate(values)]
+        # a fused piece is never larger than a piece
+        fused = fusion_groups(sizes, [v.dtype for v in values],
+                              min(self.config.fusion_bytes, self.config.partition_bytes))
+        small = {i for g in fused for i in g}
+        large = [i for i in range(len(values)) if i not in small]
+        tensors = [PlanTensor(name=names[i], numel=int(values[i].shape.num_elements()),
+                              element_size=values[i].dtype.size, priority=i, ready=ready[i]) for i in large]
         schedule = plan(tensors, self.config.partition_bytes, self.config.credit_bytes, slots=self.slots,
                         ordering=self.config.ordering)
-        pieces = self._issue(schedule, [tf.reshape(v, [-1]) for v in values], group)
-        return [join_pieces(p, v) if p else v for p, v in zip(pieces, values, strict=True)]
+        flats = [tf.reshape(values[i], [-1]) for i in large]
+        free = []
+        for g, members in enumerate(fused):
+            flats.append(tf.concat([tf.reshape(values[i], [-1]) for i in members], axis=0))
+            nbytes = sum(sizes[i] for i in members)
+            at = max(ready[i] for i in members)
+            free.append(PlannedPiece(tensor=len(large) + g, index=0, name=_group_name([names[i] for i in members]),
+                                     start=0, stop=nbytes // values[members[0]].dtype.size, nbytes=nbytes,
+                                     priority=min(members), seq=len(large) + g, slot=-1 - g, ready=at,
+                                     issue=at, finish=at + nbytes / CostModel().link_bytes_per_s))
+        if free:
+            schedule = dataclasses.replace(schedule, pieces=schedule.pieces + tuple(free))
+        pieces = self._issue(schedule, flats, group)
+        out: list[tf.Tensor] = list(values)
+        for i, p in zip(large, pieces, strict=False):
+            out[i] = join_pieces(p, values[i]) if p else values[i]
+        for members, p in zip(fused, pieces[len(large):], strict=True):
+            parts = tf.split(p[0], [int(values[i].shape.num_elements()) for i in members])
+            for i, part in zip(members, parts, strict=True):
+                out[i] = tf.reshape(part, values[i].shape)
+        return out
 
     def _reduce_planned(self, values: list[tf.Tensor], names: list[str], group: ReplicaGroup,
                         commplan: CommPlan) -> list[tf.Tensor]:
@@ -423,6 +455,35 @@ def _watched() -> list[TraceRecord]:
     with _records_lock:
         return [r for r in _records
                 if r.settings.get("backend") == "collective" and r.settings.get("world_size", 1) > 1]
+
+
+def fusion_groups(sizes: Sequence[int], dtypes: Sequence[Any], fusion_bytes: int) -> list[list[int]]:
+    """The fusion groups of gradients listed in forward order with byte ``sizes``: every gradient
+    smaller than ``fusion_bytes`` (and not empty) joins one, walking in backward order (the order
+    backward makes them, so a group waits for few late members), one dtype per group, at most
+    ``fusion_bytes`` together; members in forward order. ``fusion_bytes`` 0: none. Unlike the
+    PyTorch plugin's runs of *adjacent* small tensors, a group here skips over large gradients
+    between its members: in a graph every piece is one collective and one chain link, and the
+    small ones (biases, norms) sit between large kernels."""
+    groups: list[list[int]] = []
+    open_by_dtype: dict[Any, tuple[list[int], int]] = {}
+    if fusion_bytes <= 0:
+        return groups
+    for i in range(len(sizes) - 1, -1, -1):
+        if not 0 < sizes[i] < fusion_bytes:
+            continue
+        members, total = open_by_dtype.get(dtypes[i], (None, 0))
+        if members is None or total + sizes[i] > fusion_bytes:
+            members, total = [], 0
+            groups.append(members)
+        members.append(i)
+        open_by_dtype[dtypes[i]] = (members, total + sizes[i])
+    return [sorted(g) for g in groups]
+
+
+def _group_name(names: list[str]) -> str:
+    """A fusion group's piece name, as the scheduler names pieces (``<task>#<index>``)."""
+    return f"{names[0] if len(names) == 1 else fused_name(names)}#0"
 
 
 def process_report(topology: Any = None) -> str:

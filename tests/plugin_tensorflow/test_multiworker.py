@@ -9,6 +9,7 @@ tests of that scenario; each job runs under a timeout and is killed by pid.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -38,6 +39,13 @@ def _bitwise(results, key):
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
 def test_keras3_custom_loop_is_bitwise_equal_to_stock_mwms(keras3, optimizer):
     _bitwise(keras3, optimizer)
+    # sgd_momentum runs with fusion: both biases in one piece off the chains; adam without
+    for r in keras3:
+        off_chain = r[optimizer]["off_chain"]
+        if optimizer == "adam":
+            assert off_chain == []
+        else:
+            assert len(off_chain) == 1 and re.fullmatch(r"fused\[1:\S+/bias\.\.3:\S+/bias\]\(2\)#0", off_chain[0])
 
 
 @pytest.mark.timeout(300)

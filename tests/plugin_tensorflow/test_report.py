@@ -23,7 +23,7 @@ from commsched.plugins.tensorflow.stats import inferred_profile  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-CONFIG = commsched.SchedulerConfig(partition_bytes=64, credit_bytes=192, timeout_s=30)
+CONFIG = commsched.SchedulerConfig(partition_bytes=64, credit_bytes=192, fusion_bytes=0, timeout_s=30)
 SHAPES = [(10, 4), (4,), (4, 3), (3,)]  # 160 + 16 + 48 + 12 bytes of float32
 
 

@@ -6,6 +6,7 @@ Collectives with a group of one run locally, so the graph that commsched writes
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -20,6 +21,7 @@ from commsched.plugins.tensorflow import keys  # noqa: E402
 from commsched.plugins.tensorflow.backends import ReplicaGroup  # noqa: E402
 from commsched.plugins.tensorflow.reduction import (  # noqa: E402
     GradientReducer,
+    fusion_groups,
     is_reduced,
     slots_for,
     variable_name,
@@ -27,7 +29,8 @@ from commsched.plugins.tensorflow.reduction import (  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-CONFIG = commsched.SchedulerConfig(partition_bytes=64, credit_bytes=192, timeout_s=30)
+# fusion off: these tests read the chains of tiny gradients (test_small_gradients_... turns it on)
+CONFIG = commsched.SchedulerConfig(partition_bytes=64, credit_bytes=192, fusion_bytes=0, timeout_s=30)
 
 
 def _keys(n):
@@ -115,6 +118,47 @@ def test_graph_holds_k_token_chains_in_plan_order_and_results_are_exact():
     before = keys.counter_value()
     step(*values)
     assert keys.counter_value() - before == len(plan.pieces)
+
+
+def test_small_gradients_go_fused_off_the_chains_and_results_are_exact():
+    # 160 B and 48 B kernels are large here (>= 32 B), the 16 B and 12 B biases small: one fused piece.
+    config = dataclasses.replace(CONFIG, fusion_bytes=32)
+    reducer = GradientReducer(config)
+    shapes = [(10, 4), (4,), (4, 3), (3,)]
+    values = [tf.random.stateless_normal(shape, seed=[2, i]) for i, shape in enumerate(shapes)]
+    assert fusion_groups([160, 16, 48, 12], [tf.float32] * 4, 32) == [[1, 3]]
+
+    @tf.function
+    def step(*vs):
+        return _local_reduce(reducer, list(vs))
+
+    out = step(*values)
+    for a, b in zip(out, values, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # a sum over one replica, split back in place
+    plan = reducer.plans[-1]
+    assert [p.name for p in plan.pieces] == ["v2#0", "v0#0", "v0#1", "v0#2", "fused[v1..v3](2)#0"]
+    fused = plan.pieces[-1]
+    assert (fused.nbytes, fused.slot, fused.priority) == (28, -1, 1)
+    assert {p.slot for p in plan.pieces[:-1]} <= set(range(reducer.slots))
+    graph = step.get_concrete_function(*values).graph
+    ops = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+    assert len(ops) == len(plan.pieces)
+    tokens = [op.inputs[4].name for op in ops]
+    assert tokens.count(tokens[-1]) == 1  # a token of its own: chained to no other piece
+    assert not any(op in ops[-1].control_inputs for op in ops[:-1])
+    assert not any(ops[-1] in op.control_inputs for op in ops[:-1])  # and it holds up no large piece
+    assert reducer.settings()["fusion_bytes"] == 32
+    # fusion_bytes=0: every gradient on the chains, one piece each at least
+    assert fusion_groups([160, 16, 48, 12], [tf.float32] * 4, 0) == []
+
+
+def test_fusion_groups_walk_backward_split_by_size_and_dtype():
+    f32, f16 = tf.float32, tf.float16
+    # forward order; backward starts from the end: the last gradients group first
+    assert fusion_groups([8, 100, 8, 8, 100, 8], [f32] * 6, 20) == [[3, 5], [0, 2]]
+    assert fusion_groups([8, 8, 8, 8], [f32, f16, f32, f16], 100) == [[1, 3], [0, 2]]
+    assert fusion_groups([0, 8, 20, 30], [f32] * 4, 20) == [[1]]  # empty and >= the threshold: not fused
 
 
 def test_zero_size_gradients_pass_through_between_others():
