@@ -337,5 +337,5 @@ def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict,
     return result_entry(
         strategy, "ok", **step_fields(result["step_times_s"], batch_size * result.get("world", 1), baseline),
         cpu_busy=busy, cpu_steal=cpu.get("cpu_steal"), cpu_warning=busy is not None and busy > BUSY_WARNING,
-        pieces_per_step=result.get("pieces_per_step"), logs=str(out),
+        pieces_per_step=result.get("pieces_per_step"), stats=result.get("stats"), logs=str(out),
     )

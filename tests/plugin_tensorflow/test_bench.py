@@ -38,5 +38,11 @@ def test_the_benchmark_compares_mwms_with_commsched(tmp_path):
         assert 0 <= row["cpu_busy"] <= 1
     assert rows["mwms"]["speedup_vs_baseline"] == 1.0
     assert rows["dynamic"]["speedup_vs_baseline"] > 0 and rows["dynamic"]["pieces_per_step"] > 4
+    stats = rows["dynamic"]["stats"]  # what the graph measured of commsched's pieces
+    assert stats["measured_steps"] >= 1 and stats["comm_s"] > 0 and stats["settings"]["slots"] == 2
+    pieces = stats["last_step_pieces"]
+    assert len(pieces) == rows["dynamic"]["pieces_per_step"] and any(p["slot"] < 0 for p in pieces)  # fused
+    assert all(0 <= p["ready_s"] <= p["issue_s"] <= p["done_s"] for p in pieces)
+    assert rows["mwms"]["stats"] is None
     assert TABLE_HEADER in proc.stdout
     assert "| dynamic |" in proc.stdout and "| mwms |" in proc.stdout

@@ -128,9 +128,25 @@ def _worker(spec_path: str) -> int:
     reducer = getattr(opt, "commsched", None)  # the wrapped optimizer's declared GradientReducer
     if reducer is not None and reducer.plans:
         result["pieces_per_step"] = len(reducer.plans[-1].pieces)
+        result["stats"] = dict(reducer.stats(), last_step_pieces=_last_step_pieces(reducer))
     if rank == 0:
         (Path(spec["out"]) / "rank0.json").write_text(json.dumps(result))
     return 0
+
+
+def _last_step_pieces(reducer) -> list[dict]:
+    """The graph's stamps of the last measured step, per piece in plan order: name, bytes, chain
+    (``slot``; negative: off the chains), and ready, issue and done in seconds from the step's start
+    (worker 0's clock; issue = max(ready, done of the previous piece on the chain))."""
+    record = reducer.records[-1]
+    runs = record.recorder.runs()
+    if record.recorder.unmeasured or not runs:
+        return []
+    run = runs[-1]
+    issue = run.issue
+    return [{"name": p.name, "bytes": p.nbytes, "slot": p.slot, "ready_s": float(run.ready[k] - run.start),
+             "issue_s": float(issue[k] - run.start), "done_s": float(run.done[k] - run.start)}
+            for k, p in enumerate(record.plan.pieces)]
 
 
 def main(argv: list[str] | None = None) -> int:
