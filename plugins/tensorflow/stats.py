@@ -97,7 +97,9 @@ def inferred_profile(record: TraceRecord, run: Run):
     ready: dict[int, float] = {}
     for k, piece in enumerate(plan.pieces):
         ready[piece.tensor] = min(ready.get(piece.tensor, np.inf), float(run.ready[k]))
-    tensors = sorted(ready)
+    # forward order: by priority (a fused group of small gradients sits at its first member's place)
+    priority = {p.tensor: p.priority for p in plan.pieces}
+    tensors = sorted(ready, key=lambda t: (priority[t], t))
     first = min(ready.values())
     forward = max(0.0, first - run.start) / max(1, len(tensors))
     names = {p.tensor: p.name.rpartition("#")[0] or p.name for p in plan.pieces}

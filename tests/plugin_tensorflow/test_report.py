@@ -6,6 +6,7 @@ Collectives with a group of one run locally, so the measured pieces are real
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -113,6 +114,19 @@ def test_with_a_topology_the_report_adds_the_networks_time_and_the_simulators_st
     record = reducer.records[-1]
     profile = inferred_profile(record, record.recorder.runs()[-1])
     assert [t.name for layer in profile.layers for t in layer.tensors] == ["v0", "v1", "v2", "v3"]
+    assert sum(t.nbytes for layer in profile.layers for t in layer.tensors) == 4 * (40 + 4 + 12 + 3)
+
+
+def test_with_fusion_the_inferred_profile_puts_a_fused_group_at_its_first_members_place():
+    reducer = GradientReducer(dataclasses.replace(CONFIG, fusion_bytes=32))  # v1 (16 B) and v3 (12 B) fused
+    step, values = _compiled(reducer), _values()
+    for _ in range(3):
+        step(*values)
+    text = reducer.report(Topology.emulated(2, None, "1gbit"))
+    assert "in 5 pieces" in text and "fusion_bytes=32" in text and "the simulator (dynamic" in text
+    record = reducer.records[-1]
+    profile = inferred_profile(record, record.recorder.runs()[-1])
+    assert [t.name for layer in profile.layers for t in layer.tensors] == ["v0", "fused[v1..v3](2)", "v2"]
     assert sum(t.nbytes for layer in profile.layers for t in layer.tensors) == 4 * (40 + 4 + 12 + 3)
 
 
