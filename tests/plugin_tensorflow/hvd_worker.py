@@ -66,6 +66,8 @@ def main():
                                        zip(ref.get_weights(), ours.get_weights(), strict=True)))
     result["iterations"] = int(opt.iterations.numpy())
     result["pieces"] = len(opt.commsched.plans[-1].pieces)
+    result["off_chain"] = sum(p.slot < 0 for p in opt.commsched.plans[-1].pieces)
+    result["fusion_bytes"] = opt.commsched.settings()["fusion_bytes"]
     graph = step.get_concrete_function(*data(0)).graph
     hvd_ops = [op for op in graph.get_operations() if op.type == "HorovodAllreduce"]
     result["hvd_ops"] = len(hvd_ops)

@@ -51,4 +51,5 @@ def test_horovod_backend_sums_like_hvd_allreduce_and_the_tape_averages(tmp_path,
         assert r["bitwise"], r
         assert r["iterations"] == 4
         assert r["hvd_ops"] == r["pieces"] > 4  # one Horovod all-reduce per planned piece
+        assert r["fusion_bytes"] == 0 and r["off_chain"] == 0  # Horovod fuses itself: every gradient on a chain
         assert r["tape_allclose"]
