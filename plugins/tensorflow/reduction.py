@@ -263,7 +263,7 @@ class GradientReducer:
 
     def _reduce_dense(self, values: list[tf.Tensor], names: list[str], group: ReplicaGroup) -> list[tf.Tensor]:
         """Large gradients: cut, ordered by the replay, on the slots' chains. Small ones (each under
-        ``fusion_bytes``, and at most ``partition_bytes``): concatenated into fusion groups
+        :meth:`_fusion_bytes`; none on Horovod): concatenated into fusion groups
         (:func:`fusion_groups`), one piece each, off the chains (slot ``-1 - g``, a token of its
         own): each goes as soon as its members exist and never holds up a large piece. The credit
         counts the large pieces only; the small ones add at most the sum of the small gradients
@@ -291,7 +291,7 @@ class GradientReducer:
             schedule = dataclasses.replace(schedule, pieces=schedule.pieces + tuple(free))
         pieces = self._issue(schedule, flats, group)
         out: list[tf.Tensor] = list(values)
-        for i, p in zip(large, pieces, strict=False):
+        for i, p in zip(large, pieces[:len(large)], strict=True):
             out[i] = join_pieces(p, values[i]) if p else values[i]
         for members, p in zip(fused, pieces[len(large):], strict=True):
             parts = tf.split(p[0], [int(values[i].shape.num_elements()) for i in members])
