@@ -257,7 +257,7 @@ class GradientReducer:
         never larger than a piece); 0 under ``planned`` (the plan's groups) and on Horovod, which fuses
         what it receives in one cycle itself (measured: small gradients off the chains there ran 0.93x
         Horovod against 0.96x on them, 7 alternating pairs; docs/tensorflow.md)."""
-        if self.plan is not None or self.config.ordering == "planned" or self.backend.negotiates_order:
+        if self.config.ordering == "planned" or self.backend.negotiates_order:
             return 0
         return min(self.config.fusion_bytes, self.config.partition_bytes)
 
@@ -280,7 +280,7 @@ class GradientReducer:
         flats = [tf.reshape(values[i], [-1]) for i in large]
         free = []
         for g, members in enumerate(fused):
-            flats.append(tf.concat([tf.reshape(values[i], [-1]) for i in members], axis=0))
+            flats.append(_concat_flat(values, members))
             nbytes = sum(sizes[i] for i in members)
             at = max(ready[i] for i in members)
             free.append(PlannedPiece(tensor=len(large) + g, index=0, name=_group_name([names[i] for i in members]),
@@ -294,9 +294,7 @@ class GradientReducer:
         for i, p in zip(large, pieces[:len(large)], strict=True):
             out[i] = join_pieces(p, values[i]) if p else values[i]
         for members, p in zip(fused, pieces[len(large):], strict=True):
-            parts = tf.split(p[0], [int(values[i].shape.num_elements()) for i in members])
-            for i, part in zip(members, parts, strict=True):
-                out[i] = tf.reshape(part, values[i].shape)
+            _split_into(out, p[0], values, members)
         return out
 
     def _reduce_planned(self, values: list[tf.Tensor], names: list[str], group: ReplicaGroup,
@@ -311,15 +309,12 @@ class GradientReducer:
                    for g, m in zip(commplan.groups, members, strict=True)]
         schedule = plan(tensors, self.config.partition_bytes, commplan.credit_bytes, slots=self.slots,
                         ordering="planned", plan=commplan)
-        flats = [tf.reshape(values[m[0]], [-1]) if len(m) == 1 else
-                 tf.concat([tf.reshape(values[i], [-1]) for i in m], axis=0) for m in members]
+        flats = [_concat_flat(values, m) for m in members]
         pieces = self._issue(schedule, flats, group)
         out: list[tf.Tensor | None] = [None] * len(values)
         for m, flat, reduced in zip(members, flats, pieces, strict=True):
             joined = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0) if reduced else flat
-            parts = [joined] if len(m) == 1 else tf.split(joined, [int(values[i].shape.num_elements()) for i in m])
-            for i, part in zip(m, parts, strict=True):
-                out[i] = tf.reshape(part, values[i].shape)
+            _split_into(out, joined, values, m)
         return out
 
     def _issue(self, schedule: Plan, flats: list[tf.Tensor], group: ReplicaGroup) -> list[list[tf.Tensor]]:
@@ -485,6 +480,20 @@ def fusion_groups(sizes: Sequence[int], dtypes: Sequence[Any], fusion_bytes: int
         members.append(i)
         open_by_dtype[dtypes[i]] = (members, total + sizes[i])
     return [sorted(g) for g in groups]
+
+
+def _concat_flat(values: list[tf.Tensor], members: list[int]) -> tf.Tensor:
+    """``values[members]`` flattened into one buffer, in order (a lone member: just flattened)."""
+    if len(members) == 1:
+        return tf.reshape(values[members[0]], [-1])
+    return tf.concat([tf.reshape(values[i], [-1]) for i in members], axis=0)
+
+
+def _split_into(out: list, flat: tf.Tensor, values: list[tf.Tensor], members: list[int]) -> None:
+    """The inverse of :func:`_concat_flat`: ``out[i]`` for each member, shaped as ``values[i]``."""
+    parts = [flat] if len(members) == 1 else tf.split(flat, [int(values[i].shape.num_elements()) for i in members])
+    for i, part in zip(members, parts, strict=True):
+        out[i] = tf.reshape(part, values[i].shape)
 
 
 def _group_name(names: list[str]) -> str:

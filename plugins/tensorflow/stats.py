@@ -140,7 +140,7 @@ def _expectation(records: list[TraceRecord], numbers: dict[str, Any], topology: 
     result = simulate(inferred_profile(record, run), topology, strategy,
                       SimSettings(partition_bytes=int(settings["partition_bytes"]),
                                   credit_bytes=int(settings["credit_bytes"]),
-                                  fusion_bytes=int(settings.get("fusion_bytes", 0)),
+                                  fusion_bytes=int(settings["fusion_bytes"]),
                                   trace=False))
     out.update(expected_step_s=result.step_time_s, expected_exposed_s=result.exposed_comm_s,
                expected_strategy=strategy)

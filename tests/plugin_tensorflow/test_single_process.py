@@ -149,7 +149,7 @@ def test_small_gradients_go_fused_off_the_chains_and_results_are_exact():
     assert not any(op in ops[-1].control_inputs for op in ops[:-1])
     assert not any(ops[-1] in op.control_inputs for op in ops[:-1])  # and it holds up no large piece
     assert reducer.settings()["fusion_bytes"] == 32
-    # fusion_bytes=0: every gradient on the chains, one piece each at least
+    # fusion_bytes=0: no group, every gradient on the chains
     assert fusion_groups([160, 16, 48, 12], [tf.float32] * 4, 0) == []
 
 
