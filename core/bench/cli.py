@@ -31,17 +31,19 @@ from commsched.bench.procs import signals_raise
 from commsched.bench.picture import draw_timeline
 from commsched.bench.report import (
     REGIME_TARGET,
+    ROUND_KEYS,
     assemble_report,
     build_report,
     markdown,
     median,
+    overlap_ratio,
     plot,
     reference_baseline,
     result_entry,
     step_fields,
     write_json,
 )
-from commsched.bench.runner import RunConfig, Runner, make_work_dir
+from commsched.bench.runner import RunConfig, Runner, make_work_dir, round_order
 from commsched.bench.spec import parse_strategies
 from commsched.progress import Progress
 
@@ -271,23 +273,34 @@ def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequenc
     except ValueError as exc:
         print(f"commsched bench: {exc}", file=sys.stderr)
         return 2
-    raw: list[tuple[str, dict | None, str | None, dict, Path]] = []
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        print(f"commsched bench: --rounds must be >= 1 (1: each strategy once), got {rounds}", file=sys.stderr)
+        return 2
+    # One run per strategy and round: (strategy, round, position, result, error, cpu, logs).
+    raw: list[tuple[str, int, int, dict | None, str | None, dict, Path]] = []
     note, emulation = "", args.network
+    total = len(chosen) * rounds
     try:
         # Ctrl-C / SIGTERM: the cluster's __exit__ kills the workers and deletes namespaces
-        with signals_raise(), Progress(f"{framework} bench", len(chosen), transient=True) as bar:
-            for i, strategy in enumerate(chosen):
-                bar.update(i, description=f"[{i + 1}/{len(chosen)}] {strategy}")
-                out = Path(tempfile.mkdtemp(prefix=f"commsched-bench-{framework}-{strategy}-"))
-                with make_cluster(args.network, nodes, args.bandwidth) as cluster:
-                    note, emulation = cluster.note, cluster.emulation
-                    window = CpuWindow()
-                    error = launch(cluster, strategy, out)
-                    cpu = window.stop()
-                result = _read_json(out / "rank0.json")
-                raw.append((strategy, result, error, cpu, out))
-                bar.update(i + 1)
-                bar.note(_progress_line(strategy, result, error, out))
+        with signals_raise(), Progress(f"{framework} bench", total, transient=True) as bar:
+            for round_index in range(rounds):
+                # One round keeps the order given; more run each round in a row of a Williams design.
+                order = chosen if rounds == 1 else [chosen[i] for i in round_order(len(chosen), round_index)]
+                for position, strategy in enumerate(order):
+                    done = len(raw)
+                    label = strategy if rounds == 1 else f"{strategy} (round {round_index + 1}/{rounds})"
+                    bar.update(done, description=f"[{done + 1}/{total}] {label}")
+                    out = Path(tempfile.mkdtemp(prefix=f"commsched-bench-{framework}-{strategy}-"))
+                    with make_cluster(args.network, nodes, args.bandwidth) as cluster:
+                        note, emulation = cluster.note, cluster.emulation
+                        window = CpuWindow()
+                        error = launch(cluster, strategy, out)
+                        cpu = window.stop()
+                    result = _read_json(out / "rank0.json")
+                    raw.append((strategy, round_index, position, result, error, cpu, out))
+                    bar.update(done + 1)
+                    bar.note(_progress_line(label, result, error, out))
     except NetworkSetupError as exc:
         print(f"commsched bench: cannot build the emulated network: {exc}\n"
               "  (use --network loopback to run unshaped)", file=sys.stderr)
@@ -295,15 +308,22 @@ def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequenc
     except KeyboardInterrupt as exc:
         print(f"commsched bench: interrupted ({exc or 'SIGINT'}); network torn down", file=sys.stderr)
         return 130
-    steps = {s: r["step_times_s"] for s, r, _, _, _ in raw if r and r.get("step_times_s")}
-    baseline = reference_baseline(*(median(steps[s]) if s in steps else None for s in ("compute", "comm")))
-    results = [_mlp_entry(s, r, e, cpu, out, args.batch_size, baseline) for s, r, e, cpu, out in raw]
+    ok_medians: dict[str, list[float]] = {}
+    for s, _, _, r, e, _, _ in raw:
+        if r and r.get("step_times_s") and e is None:
+            ok_medians.setdefault(s, []).append(median(r["step_times_s"]))
+    baseline = reference_baseline(*(median(ok_medians[s]) if s in ok_medians else None for s in ("compute", "comm")))
+    results = []
+    for strategy in chosen:
+        runs = [(rnd, pos, _mlp_entry(s, r, e, cpu, out, args.batch_size, baseline), r)
+                for s, rnd, pos, r, e, cpu, out in raw if s == strategy]
+        results.append(runs[0][2] if rounds == 1 else _mlp_rounds_entry(runs, args.batch_size, baseline))
     config = {
         "workload": workload["name"], "workers": args.workers, "nodes": nodes, "bandwidth": args.bandwidth,
         "intra_bandwidth": None, "strategies": chosen, "steps": args.steps, "warmup": args.warmup,
         "baseline_steps": None, "batch_size": args.batch_size,
         "partition_bytes": int(args.partition_mb * MB), "credit_bytes": int(args.credit_mb * MB),
-        "network": args.network, "seed": 0, "extra": extra,
+        "network": args.network, "seed": 0, "extra": {**extra, "rounds": rounds},
     }
     report = assemble_report(framework, config, emulation, note, workload, baseline, results)
     write_json(report, args.json)
@@ -324,6 +344,40 @@ def _progress_line(strategy: str, result: dict | None, error: str | None, out: P
     if result and result.get("step_times_s") and error is None:
         return f"{strategy:>18}: {median(result['step_times_s']) * 1000:8.1f} ms/step (median)"
     return f"{strategy:>18}: failed ({(error or 'worker 0 wrote no result').splitlines()[0]}); logs in {out}"
+
+
+def _mlp_rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], dict | None]], batch_size: int,
+                      baseline: dict | None) -> dict[str, Any]:
+    """One strategy's entry from its runs of an interleaved MLP benchmark (``--rounds``):
+    ``runs`` holds (round, position, the run's own entry, what its worker 0 wrote).
+
+    As for torch (:func:`commsched.bench.report.summarize_rounds`): ``step_time_s`` is the median
+    of the rounds' medians, the quantiles and the mean pool every round's steps, ``stats``, CPU and
+    logs are the round's whose median is nearest, and ``rounds`` lists each round
+    (:data:`ROUND_KEYS`; :func:`assemble_report` fills the paired speedups). A failed round is
+    listed with its reason and left out of the figures."""
+    rounds = [{**dict.fromkeys(ROUND_KEYS), "round": rnd + 1, "position": pos + 1, "status": e["status"],
+               "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
+               "cpu_steal": e["cpu_steal"]}
+              for rnd, pos, e, _ in runs]
+    ok = [(e, r) for _, _, e, r in runs if e["status"] == "ok"]
+    if not ok:
+        return {**runs[0][2], "rounds": rounds}
+    step = median([e["step_time_s"] for e, _ in ok])
+    rep, _ = min(ok, key=lambda er: abs(er[0]["step_time_s"] - step))
+    pooled = [t for _, r in ok for t in r["step_times_s"]]
+    fields = step_fields(pooled, batch_size * ok[0][1].get("world", 1), baseline)
+    fields["step_time_s"] = step
+    fields["throughput_samples_s"] = batch_size * ok[0][1].get("world", 1) / step
+    if baseline is not None:
+        fields["efficiency"] = baseline["lower_bound_s"] / step
+        fields["overlap_ratio"], fields["exposed_comm_s"], fields["overlap_method"] = overlap_ratio(
+            baseline["comm_s"], baseline["compute_s"], step)
+    entry = {**rep, **fields, "rounds": rounds}
+    failed = [e["reason"] for _, _, e, _ in runs if e["status"] == "failed"]
+    if failed:
+        entry["reason"] = f"{len(failed)} of {len(runs)} rounds failed: {failed[0]}"
+    return entry
 
 
 def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict, out: Path,

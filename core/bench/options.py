@@ -50,6 +50,10 @@ def add_mlp_bench_arguments(parser: argparse.ArgumentParser, *, strategies: Sequ
     parser.add_argument("--credit-mb", type=mebibytes, default=credit_mb,
                         help=f"commsched bytes in flight in MiB (default {credit_mb:g})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per strategy (default 600)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every strategy this many times, each round in another order (a Williams design), "
+                             "and report the median of the rounds and the speedups paired within each round "
+                             "(default 1; python -m commsched.bench.paired compares any two: docs/bench.md, Rounds)")
     parser.add_argument("--json", required=True, metavar="PATH", help="write the report here")
 
 

@@ -27,6 +27,7 @@ from commsched.bench.report import (
     CONFIG_KEYS,
     REPORT_KEYS,
     RESULT_KEYS,
+    ROUND_KEYS,
     TABLE_HEADER,
     WORKLOAD_KEYS,
     build_report,
@@ -140,6 +141,65 @@ def test_mlp_reports_take_median_iqr_speedup_and_bounds_from_the_step_times(tmp_
     assert failed["status"] == "failed" and "rank 0 exited 1" in failed["reason"] and failed["step_time_s"] is None
     assert "| dynamic_server | failed: workers failed: rank 0 exited 1 |" in table
     assert "speedups are relative to **dist_sync**" in table
+
+
+def test_mlp_rounds_interleave_and_pair_each_round(tmp_path, capsys):
+    """--rounds on an MLP benchmark: every strategy once a round in a Williams row, the median of
+    the rounds' medians, speedups paired within a round, the baseline from the rounds, and a
+    failed round listed and left out; the report feeds commsched.bench.paired."""
+    from commsched.bench.paired import paired
+    from commsched.bench.runner import round_order
+
+    chosen = ["compute", "comm", "mwms", "horovod_like", "dynamic"]
+    ran: list[str] = []
+    # Round r slows every strategy by 1 + r/10: paired ratios see through it, pooled ones do not.
+    per_round = {"compute": 0.3, "comm": 0.5, "mwms": 1.0, "horovod_like": 0.9, "dynamic": 0.8}
+
+    def launch(cluster, strategy: str, out: Path) -> str | None:
+        ran.append(strategy)
+        rnd = sum(s == strategy for s in ran) - 1
+        if strategy == "dynamic" and rnd == 1:
+            return "workers failed: rank 1 exited 1"
+        t = per_round[strategy] * (1 + rnd / 10)
+        (out / "rank0.json").write_text(json.dumps({"step_times_s": [t, t, t], "world": 2,
+                                                    "stats": {"round": rnd}}))
+        return None
+
+    args = _mlp_args(tmp_path, ",".join(chosen))
+    args.rounds = 3
+    code = run_strategies(args, framework="tensorflow", allowed=chosen, nodes=2, launch=launch, workload=MLP,
+                          extra={})
+    assert code == 0  # one failed round of three is listed, not a failed strategy
+    assert ran == [chosen[i] for r in range(3) for i in round_order(5, r)]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["extra"]["rounds"] == 3
+    rows = {r["strategy"]: r for r in report["results"]}
+    for row in rows.values():
+        assert list(row) == list(RESULT_KEYS)
+        assert [x["round"] for x in row["rounds"]] == [1, 2, 3]
+        assert all(list(x) == list(ROUND_KEYS) for x in row["rounds"])
+    hv, dyn = rows["horovod_like"], rows["dynamic"]
+    assert hv["step_time_s"] == pytest.approx(0.9 * 1.1) and hv["measured_steps"] == 9
+    assert hv["stats"] == {"round": 1}  # the round nearest the median
+    assert [x["position"] for x in hv["rounds"]] == [round_order(5, r).index(3) + 1 for r in range(3)]
+    assert report["baseline"]["compute_s"] == pytest.approx(0.3 * 1.1)
+    assert [x["status"] for x in dyn["rounds"]] == ["ok", "failed", "ok"]
+    assert dyn["step_time_s"] == pytest.approx(0.8 * 1.1) and dyn["measured_steps"] == 6
+    assert "1 of 3 rounds failed" in dyn["reason"] and any("rank 1 exited 1" in w for w in report["warnings"])
+    assert dyn["speedup_vs_baseline"] == pytest.approx(1.0 / 0.8)  # paired with mwms round by round
+    assert [x["speedup_vs_baseline"] for x in dyn["rounds"]] == [pytest.approx(1.25), None, pytest.approx(1.25)]
+    result = paired(report, ["horovod_like", "mwms"])
+    assert result["best_peer"] == "horovod_like"
+    assert result["strategies"]["dynamic"]["vs_best_peer"] == pytest.approx(0.9 / 0.8)
+
+
+def test_mlp_bench_refuses_fewer_than_one_round(tmp_path, capsys):
+    args = _mlp_args(tmp_path, "dist_sync")
+    args.rounds = 0
+    code = run_strategies(args, framework="mxnet", allowed=("dist_sync",), nodes=2, launch=_fake_launch({}),
+                          workload=MLP, extra={})
+    assert code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
 
 
 def test_mlp_bench_rejects_unknown_strategies_naming_the_allowed(tmp_path, capsys):
