@@ -317,7 +317,10 @@ def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequenc
     for strategy in chosen:
         runs = [(rnd, pos, _mlp_entry(s, r, e, cpu, out, args.batch_size, baseline), r)
                 for s, rnd, pos, r, e, cpu, out in raw if s == strategy]
-        results.append(runs[0][2] if rounds == 1 else _mlp_rounds_entry(runs, args.batch_size, baseline))
+        entry = runs[0][2] if rounds == 1 else _mlp_rounds_entry(runs, args.batch_size, baseline)
+        if strategy in ("compute", "comm"):  # they measure the bound: against it they say nothing
+            entry.update(efficiency=None, overlap_ratio=None, exposed_comm_s=None, overlap_method=None)
+        results.append(entry)
     config = {
         "workload": workload["name"], "workers": args.workers, "nodes": nodes, "bandwidth": args.bandwidth,
         "intra_bandwidth": None, "strategies": chosen, "steps": args.steps, "warmup": args.warmup,

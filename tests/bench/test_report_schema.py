@@ -183,6 +183,9 @@ def test_mlp_rounds_interleave_and_pair_each_round(tmp_path, capsys):
     assert hv["stats"] == {"round": 1}  # the round nearest the median
     assert [x["position"] for x in hv["rounds"]] == [round_order(5, r).index(3) + 1 for r in range(3)]
     assert report["baseline"]["compute_s"] == pytest.approx(0.3 * 1.1)
+    # compute and comm are the bound's parts: no efficiency, and no "beats the lower bound" warning
+    assert rows["compute"]["efficiency"] is None and rows["comm"]["overlap_ratio"] is None
+    assert not any("beats the lower bound" in w for w in report["warnings"])
     assert [x["status"] for x in dyn["rounds"]] == ["ok", "failed", "ok"]
     assert dyn["step_time_s"] == pytest.approx(0.8 * 1.1) and dyn["measured_steps"] == 6
     assert "1 of 3 rounds failed" in dyn["reason"] and any("rank 1 exited 1" in w for w in report["warnings"])
