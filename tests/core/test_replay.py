@@ -180,3 +180,77 @@ def test_a_plan_of_priority_order_replays_its_pieces_by_priority_not_as_listed()
     # b is ready first and goes; then a's pieces in index order (the plan's 16 B cut)
     assert plan(tensors, 1 << 20, 1 << 20, ordering="planned", plan=by_priority).order == \
         ["b#0", "a#0", "a#1", "a#2"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(problems(), st.booleans(), st.sampled_from([0.0, 1e-6, 1e-5, 1.0]))
+def test_a_graphs_replay_keeps_coverage_credit_and_chains(problem, shared, lookahead):
+    # shared_link and lookahead_s (TensorFlow's graph plans) change when pieces go, never what goes
+    tensors, partition, credit, slots, ordering, cost = problem
+    result = plan(tensors, partition, credit, slots=slots, ordering=ordering, cost=cost, shared_link=shared,
+                  lookahead_s=lookahead)
+    names = sorted(p.name for p in result.pieces)
+    assert names == sorted(p.name for p in plan(tensors, partition, credit, slots=slots, ordering=ordering,
+                                                  cost=cost).pieces)
+    for p in result.pieces:
+        assert p.ready <= p.issue <= p.finish
+        flying = _in_flight_at(result.pieces, p.issue)
+        assert sum(q.nbytes for q in flying) <= credit or flying == [p]
+        if slots is not None:
+            assert len(flying) <= slots
+    if slots is not None:
+        for s in range(slots):
+            chain = [p for p in result.pieces if p.slot == s]
+            for before, after in zip(chain, chain[1:], strict=False):
+                assert after.issue + EPS >= before.finish
+
+
+def test_on_a_shared_link_pieces_in_flight_split_the_rate():
+    cost = CostModel(link_bytes_per_s=100.0, latency_s=0.0)
+    tensors = [PlanTensor("a", 100, 1, priority=0, ready=0.0), PlanTensor("b", 100, 1, priority=1, ready=0.0)]
+    serial = plan(tensors, 100, 1000, slots=2, cost=cost)
+    shared = plan(tensors, 100, 1000, slots=2, cost=cost, shared_link=True)
+    assert [p.finish for p in serial.pieces] == [1.0, 2.0]  # one after the other
+    assert [p.finish for p in shared.pieces] == [pytest.approx(2.0), pytest.approx(2.0)]  # together, at half rate
+
+
+def _mlp(backward_bytes_per_s):
+    """The TF benchmark's MLP: a 1 MiB first kernel, then four 4 MiB kernels (forward order)."""
+    sizes = [1 << 20] + [4 << 20] * 4
+    cost = CostModel(backward_bytes_per_s=backward_bytes_per_s)
+    ready = backward_ready_times(sizes, cost)
+    return [PlanTensor(f"d{i}", s // 4, 4, priority=i, ready=ready[i]) for i, s in enumerate(sizes)], cost
+
+
+def test_lookahead_keeps_a_chain_for_the_first_layer_when_backward_is_short():
+    # Gradients ready within the credit's link time (backward 5x the link, as measured on TF): without
+    # the lookahead the first layer's kernel is planned behind the last hidden layer's on its chain, and
+    # on a graph it waits for that kernel's *completion*; with it, the least urgent kernel waits instead.
+    from commsched.replay import graph_lookahead_s
+
+    tensors, cost = _mlp(6.25e8)
+    window = graph_lookahead_s(16 << 20, cost)
+    assert window == pytest.approx((16 << 20) / cost.link_bytes_per_s)
+    greedy = plan(tensors, 4 << 20, 16 << 20, slots=4, cost=cost, shared_link=True)
+    held = plan(tensors, 4 << 20, 16 << 20, slots=4, cost=cost, shared_link=True, lookahead_s=window)
+
+    def before_on_its_chain(result, name):
+        mine = next(p for p in result.pieces if p.name == name)
+        chain = [p.name for p in result.pieces if p.slot == mine.slot]
+        return chain[:chain.index(name)]
+
+    assert before_on_its_chain(greedy, "d0#0") == ["d4#0"]
+    assert before_on_its_chain(held, "d0#0") == []
+    assert before_on_its_chain(held, "d4#0") == ["d0#0"]  # the least urgent one waits
+    for name in ("d1#0", "d2#0", "d3#0"):
+        assert before_on_its_chain(held, name) == []
+
+
+def test_lookahead_changes_nothing_when_backward_is_longer_than_the_window():
+    # backward 10x slower than the link: the urgent pieces arrive long after the window; work-conserving
+    tensors, cost = _mlp(1.25e7)
+    greedy = plan(tensors, 4 << 20, 16 << 20, slots=4, cost=cost, shared_link=True)
+    held = plan(tensors, 4 << 20, 16 << 20, slots=4, cost=cost, shared_link=True, lookahead_s=0.134)
+    assert [(p.name, p.slot, p.issue) for p in held.pieces] == [(p.name, p.slot, p.issue) for p in greedy.pieces]
+    with pytest.raises(ValueError, match="lookahead_s"):
+        plan(tensors, 4 << 20, 16 << 20, slots=4, lookahead_s=-1.0)
