@@ -122,7 +122,7 @@ class CollectiveBackend:
                 name="commsched_" + _op_name(name))
 
 
-    def all_gather_object(self, obj: Any, group: ReplicaGroup) -> list[Any]:
+    def all_gather_object(self, obj: Any, group: ReplicaGroup, what: str = "its plan check") -> list[Any]:
         """Every worker's ``obj`` (JSON-able), by rank, on every worker; run eagerly (also when
         called while a ``tf.function`` is traced: it leaves the graph with ``tf.init_scope``).
 
@@ -145,8 +145,8 @@ class CollectiveBackend:
             except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError, tf.errors.CancelledError) as exc:
                 # TracedTimeout: raised while a tf.function traces, it reaches the user as itself
                 # (a plain CommschedTimeout would become AutoGraph's StagingError)
-                error = CommschedTimeout(f"worker {group.rank} exchanging its plan check with the other workers (does "
-                                         "every worker run ordering='planned' with a plan, and is it alive?) "
+                error = CommschedTimeout(f"worker {group.rank} exchanging {what} with the other workers (does "
+                                         "every worker run the same ordering, and is it alive?) "
                                          f"[{type(exc).__name__}]", self.timeout_s)
                 raise TracedTimeout.of(error) from exc
         return [json.loads(bytes(row[1:1 + row[0]].astype(np.uint8).tobytes()).decode()) for row in rows]

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from commsched.plan import PlannedTensor
 from commsched.plugins.tensorflow.failures import raise_translated
-from commsched.plugins.tensorflow.reduction import planned_tensor, process_report, variable_name
+from commsched.plugins.tensorflow.reduction import planned_tensor, process_report, static_pending, variable_name
 
 __all__ = ["function", "plan_model", "report", "unroll"]
 
@@ -46,16 +46,34 @@ def report(topology: Any = None) -> str:
     return process_report(topology)
 
 
+#: ``ordering="static"``: a step compiled by :func:`function` is traced again before this call
+#: (1-based) while a static reducer has planned only from the model; by then its first trace
+#: has run twice after its warm-up run (the runs :func:`~.stats.observed_readiness` needs).
+RETRACE_AT_CALL = 4
+
+
 class CompiledStep:
     """A ``tf.function`` whose calls raise commsched's error for a failed commsched piece
     (anything else goes through as raised). Other attributes are the ``tf.function``'s
-    (``get_concrete_function``, ``experimental_get_tracing_count``, ``python_function``)."""
+    (``get_concrete_function``, ``experimental_get_tracing_count``, ``python_function``).
 
-    def __init__(self, compiled: Any) -> None:
+    ``rebuild`` (set by :func:`function` for what it compiles): a new ``tf.function`` of the
+    same Python function. Before call :data:`RETRACE_AT_CALL` it replaces the compiled one
+    once if a reducer with ``ordering="static"`` still plans from the model
+    (:func:`~.reduction.static_pending`): the new trace plans from the order the first one
+    measured. Every worker calls its step as often, so every worker traces again at the
+    same call."""
+
+    def __init__(self, compiled: Any, rebuild: Callable[[], Any] | None = None) -> None:
         self._compiled = compiled
+        self._rebuild = rebuild
+        self._calls = 0
         functools.update_wrapper(self, compiled, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._calls += 1
+        if self._calls == RETRACE_AT_CALL and self._rebuild is not None and static_pending():
+            self._compiled = self._rebuild()
         try:
             return self._compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 (translated or re-raised unchanged)
@@ -83,6 +101,11 @@ def function(fn: Callable[..., Any] | None = None, **tf_function_kwargs: Any) ->
 
     The TF error is the ``__cause__``. Errors that are not about commsched's pieces go
     through unchanged. ``fn`` may already be a ``tf.function``.
+
+    With ``ordering="static"``, what it compiles from a Python function is traced once more,
+    at call :data:`RETRACE_AT_CALL`, so the plan follows the order and link rate the graph
+    measured (:class:`CompiledStep`; docs/tensorflow.md, step 2). A ``tf.function`` passed in
+    is not traced again (trace it again yourself, e.g. ``model.make_train_function(force=True)``).
     """
     if fn is None:
         return lambda f: function(f, **tf_function_kwargs)
@@ -95,7 +118,7 @@ def function(fn: Callable[..., Any] | None = None, **tf_function_kwargs: Any) ->
         return CompiledStep(fn)
     if not callable(fn):
         raise TypeError(f"function() compiles a callable, got {type(fn).__name__}")
-    return CompiledStep(tf.function(fn, **tf_function_kwargs))
+    return CompiledStep(tf.function(fn, **tf_function_kwargs), lambda: tf.function(fn, **tf_function_kwargs))
 
 
 def plan_model(variables: Iterable[Any]) -> list[PlannedTensor]:

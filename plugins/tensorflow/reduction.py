@@ -51,11 +51,19 @@ from commsched.errors import SchedulerClosed
 from commsched.plan import Plan as CommPlan
 from commsched.plan import PlanMismatch, PlannedTensor, fused_name
 from commsched.plan_agreement import agree_on_plan, check_plan
-from commsched.replay import CostModel, Plan, PlannedPiece, PlanTensor, backward_ready_times, plan
+from commsched.replay import (
+    CostModel,
+    Plan,
+    PlannedPiece,
+    PlanTensor,
+    backward_ready_times,
+    graph_lookahead_s,
+    plan,
+)
 from commsched.plugins.tensorflow import failures, watchdog
 from commsched.plugins.tensorflow.backends import ReplicaGroup, make_backend, replica_group
 from commsched.plugins.tensorflow.measure import Recorder, stamp
-from commsched.plugins.tensorflow.stats import TraceRecord, format_report, reduction_stats
+from commsched.plugins.tensorflow.stats import TraceRecord, format_report, observed_readiness, reduction_stats
 from commsched.plugins.tensorflow.tensor_ops import check_gradient, dense, join_pieces
 from commsched.timeline import Timeline
 
@@ -72,6 +80,17 @@ _reduced_lock = threading.Lock()
 # tape's reducer lives only as long as its trace, its measurements as long as the graph runs.
 _records: list[TraceRecord] = []
 _records_lock = threading.Lock()
+#: reducers with ordering="static" whose newest trace planned from the model, not from an observation:
+#: :func:`commsched.plugins.tensorflow.function` traces its step again once (see :func:`static_pending`)
+_static_pending: "weakref.WeakSet[GradientReducer]" = weakref.WeakSet()
+_static_lock = threading.Lock()
+
+
+def static_pending() -> bool:
+    """True while some open reducer with ``ordering="static"`` traced only from the model: a new
+    trace would plan it from the order its graph measured (``GradientReducer._observation``)."""
+    with _static_lock:
+        return any(not r.closed for r in _static_pending)
 _timelines: dict[str, tuple[Timeline, list[float]]] = {}  # path -> (timeline, [end of the last plan, us])
 _timelines_lock = threading.Lock()
 # Plans every worker agreed on, by (plan source, this run's gradients, world size): the agreement
@@ -270,13 +289,22 @@ class GradientReducer:
         to the bytes in flight."""
         sizes = [int(v.shape.num_elements()) * v.dtype.size for v in values]
         ready = backward_ready_times(sizes)
+        observed = self._observation(names, group)
+        if self.config.ordering == "static" and self.measure and not self.backend.negotiates_order:
+            with _static_lock:
+                (_static_pending.add if observed is None else _static_pending.discard)(self)
+        cost, graph = None, {}
+        if observed is not None:  # static, traced again: the order and link rate the graph measured
+            ready = [observed["ready"][n] for n in names]
+            cost = CostModel(link_bytes_per_s=observed["link_bytes_per_s"])
+            graph = {"shared_link": True, "lookahead_s": graph_lookahead_s(self.config.credit_bytes, cost)}
         fused = fusion_groups(sizes, [v.dtype for v in values], self._fusion_bytes())
         small = {i for g in fused for i in g}
         large = [i for i in range(len(values)) if i not in small]
         tensors = [PlanTensor(name=names[i], numel=int(values[i].shape.num_elements()),
                               element_size=values[i].dtype.size, priority=i, ready=ready[i]) for i in large]
         schedule = plan(tensors, self.config.partition_bytes, self.config.credit_bytes, slots=self.slots,
-                        ordering=self.config.ordering)
+                        ordering=self.config.ordering, cost=cost, **graph)
         flats = [tf.reshape(values[i], [-1]) for i in large]
         free = []
         for g, members in enumerate(fused):
@@ -289,7 +317,8 @@ class GradientReducer:
                                      issue=at, finish=at + nbytes / CostModel().link_bytes_per_s))
         if free:
             schedule = dataclasses.replace(schedule, pieces=schedule.pieces + tuple(free))
-        pieces = self._issue(schedule, flats, group)
+        members = [(names[i],) for i in large] + [tuple(names[i] for i in g) for g in fused]
+        pieces = self._issue(schedule, flats, group, members)
         out: list[tf.Tensor] = list(values)
         for i, p in zip(large, pieces[:len(large)], strict=True):
             out[i] = join_pieces(p, values[i]) if p else values[i]
@@ -310,20 +339,36 @@ class GradientReducer:
         schedule = plan(tensors, self.config.partition_bytes, commplan.credit_bytes, slots=self.slots,
                         ordering="planned", plan=commplan)
         flats = [_concat_flat(values, m) for m in members]
-        pieces = self._issue(schedule, flats, group)
+        pieces = self._issue(schedule, flats, group, [tuple(names[i] for i in m) for m in members])
         out: list[tf.Tensor | None] = [None] * len(values)
         for m, flat, reduced in zip(members, flats, pieces, strict=True):
             joined = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0) if reduced else flat
             _split_into(out, joined, values, m)
         return out
 
-    def _issue(self, schedule: Plan, flats: list[tf.Tensor], group: ReplicaGroup) -> list[list[tf.Tensor]]:
-        """Write one reduction per piece of ``schedule`` (over ``flats[piece.tensor]``), in its order,
-        on its slots; returns each flat tensor's reduced pieces in element order."""
+    @tf.autograph.experimental.do_not_convert  # eager reads of the stamps while a step is traced
+    def _observation(self, names: list[str], group: ReplicaGroup) -> dict[str, Any] | None:
+        """``ordering="static"``: what an earlier trace of these gradients measured
+        (:func:`~commsched.plugins.tensorflow.stats.observed_readiness`), or None (the first trace,
+        and always on Horovod: there, planned so, the step ran 0.90x plain Horovod against 1.00x
+        as ``dynamic``; docs/tensorflow.md, step 2). Every worker plans from worker 0's observation
+        (an eager all-gather at trace time): the plan's order is the collectives' instance keys."""
+        if self.config.ordering != "static" or self.backend.negotiates_order:
+            return None
+        mine = observed_readiness(self.records, names) if self.measure else None
+        if group.size > 1:
+            mine = self.backend.all_gather_object(mine, group, what="the order it observed (ordering='static')")[0]
+        return mine
+
+    def _issue(self, schedule: Plan, flats: list[tf.Tensor], group: ReplicaGroup,
+               members: list[tuple[str, ...]]) -> list[list[tf.Tensor]]:
+        """Write one reduction per piece of ``schedule`` (over ``flats[piece.tensor]``, which holds the
+        gradients ``members[piece.tensor]``), in its order, on its slots; returns each flat tensor's
+        reduced pieces in element order."""
         self.plans.append(schedule)
         del self.plans[:-8]
         keys_start = self.backend.reserve(len(schedule.pieces))
-        recorder = self._recorder(schedule, group) if schedule.pieces else None
+        recorder = self._recorder(schedule, group, members) if schedule.pieces else None
         timed = self.measure and recorder is not None
         if recorder is not None and self.backend.name == "collective" and group.size > 1:
             # TF's own collective timeouts cost a sleeping thread each: the process's watchdog
@@ -365,7 +410,7 @@ class GradientReducer:
         self._record(schedule, group)
         return pieces
 
-    def _recorder(self, schedule: Plan, group: ReplicaGroup) -> Recorder:
+    def _recorder(self, schedule: Plan, group: ReplicaGroup, members: list[tuple[str, ...]]) -> Recorder:
         """The recorder of this plan: one per distinct plan (an eager step, a retrace or an unrolled
         step with the same plan share it, so eager training does not make one per step)."""
         key = (tuple(schedule.order), tuple(p.slot for p in schedule.pieces), group.size)
@@ -373,7 +418,7 @@ class GradientReducer:
             if record.key == key:
                 return record.recorder
         record = TraceRecord(schedule, Recorder([p.slot for p in schedule.pieces]),
-                             dict(self.settings(), world_size=group.size, rank=group.rank), key)
+                             dict(self.settings(), world_size=group.size, rank=group.rank), key, tuple(members))
         self.records.append(record)
         del self.records[:-8]
         with _records_lock:

@@ -30,7 +30,7 @@ import numpy as np
 
 from commsched.plugins.tensorflow.measure import Recorder, Run
 
-__all__ = ["TraceRecord", "format_report", "inferred_profile", "reduction_stats"]
+__all__ = ["TraceRecord", "format_report", "inferred_profile", "observed_readiness", "reduction_stats"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class TraceRecord:
     recorder: Recorder
     settings: dict
     key: tuple = ()
+    #: per tensor of the plan (``PlannedPiece.tensor``), the gradient names it holds (one, or a fused group's)
+    members: tuple = ()
 
 
 def _measured(records: Iterable[TraceRecord]) -> list[tuple[TraceRecord, Run]]:
@@ -83,6 +85,48 @@ def reduction_stats(records: Iterable[TraceRecord]) -> dict[str, Any]:
     if out["comm_s"]:
         out["overlap_ratio"] = min(1.0, max(0.0, 1.0 - out["exposed_comm_s"] / out["comm_s"]))
     return out
+
+
+def observed_readiness(records: Iterable[TraceRecord], names: Iterable[str], min_runs: int = 2
+                       ) -> dict[str, Any] | None:
+    """What the graph measured of an earlier trace that reduced exactly the gradients ``names``:
+    ``{"ready": {name: s}, "link_bytes_per_s": b, "runs": n}``, or None when no kept trace
+    covers them with at least ``min_runs`` measured runs (the first run of a trace left out).
+
+    ``ready``: when each gradient was ready, in seconds after the first one, the median over the
+    runs (a fused group's members: the group's); ``link_bytes_per_s``: the pieces' bytes over the
+    time at least one was in flight, the median over the runs (what the concurrent collectives
+    achieved together). The newest matching trace wins. JSON-able, so workers can agree on one."""
+    want = set(names)
+    for record in reversed(list(records)):
+        if record.recorder.unmeasured or not record.members:
+            continue
+        if {n for m in record.members for n in m} != want:
+            continue
+        runs = _measured([record])
+        if len(runs) < min_runs:
+            continue
+        pieces = record.plan.pieces
+        total = sum(p.nbytes for p in pieces)
+        per_tensor: dict[int, list[float]] = {}
+        rates = []
+        for _, run in runs:
+            first = float(run.ready.min())
+            latest: dict[int, float] = {}
+            for k, piece in enumerate(pieces):  # a tensor is ready when its last piece is
+                latest[piece.tensor] = max(latest.get(piece.tensor, 0.0), float(run.ready[k]) - first)
+            for t, at in latest.items():
+                per_tensor.setdefault(t, []).append(at)
+            if run.comm_s > 0:
+                rates.append(total / run.comm_s)
+        if not rates:
+            continue
+        ready = {name: float(np.median(per_tensor[t])) for t, group in enumerate(record.members)
+                 for name in group if t in per_tensor}
+        if set(ready) != want:
+            continue
+        return {"ready": ready, "link_bytes_per_s": float(np.median(rates)), "runs": len(runs)}
+    return None
 
 
 def inferred_profile(record: TraceRecord, run: Run):

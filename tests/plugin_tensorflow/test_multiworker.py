@@ -49,6 +49,17 @@ def test_keras3_custom_loop_is_bitwise_equal_to_stock_mwms(keras3, optimizer):
 
 
 @pytest.mark.timeout(300)
+def test_static_plans_a_second_trace_from_the_observed_order_the_same_on_every_worker(keras3):
+    # unroll()'s step traced again at call 4 planned from worker 0's observation: same order on both
+    # workers (else their collectives' instance keys would pair different pieces), bitwise as stock MWMS
+    _bitwise(keras3, "static")
+    for r in keras3:
+        # pending False: the newest trace planned from an observation (a Keras first call may trace twice)
+        assert r["static"]["traces"] >= 2 and r["static"]["pending"] is False, r["static"]
+    assert keras3[0]["static"]["orders"] == keras3[1]["static"]["orders"]
+
+
+@pytest.mark.timeout(300)
 def test_iterations_advance_once_per_step(keras3):
     for r in keras3:
         for key in ("sgd_momentum", "adam", "unroll", "tape"):

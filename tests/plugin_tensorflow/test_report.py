@@ -174,3 +174,102 @@ def test_measure_false_writes_no_stamps_but_still_counts_steps_bytes_and_pieces(
     assert "times: not measured (measure=False" in reducer.report()
     with pytest.raises(TypeError, match="measure must be True or False"):
         GradientReducer(CONFIG, measure="yes")
+
+
+def _fed_record(members, runs):
+    """A trace of two 40-byte pieces (``a`` then ``b``, chains 0 and 1) whose graph wrote ``runs``:
+    (start, [ready a, ready b], [done a, done b]) each."""
+    from commsched.plugins.tensorflow.stats import TraceRecord
+    from commsched.replay import PlanTensor, plan
+
+    schedule = plan([PlanTensor("a", 10, 4, 0, 0.0), PlanTensor("b", 10, 4, 1, 0.0)], 40, 80, slots=2)
+    assert [p.name for p in schedule.pieces] == ["a#0", "b#0"]
+    recorder = Recorder([p.slot for p in schedule.pieces], capacity=8)
+
+    @tf.function
+    def write(start, ready, done):
+        recorder.record(start, [ready[0], ready[1]], [done[0], done[1]])
+
+    for start, ready, done in runs:
+        write(tf.constant(start, tf.float64), tf.constant(ready, tf.float64), tf.constant(done, tf.float64))
+    return TraceRecord(schedule, recorder, {}, (), members)
+
+
+def test_observed_readiness_is_the_median_order_and_link_rate_of_a_trace_of_the_same_gradients():
+    from commsched.plugins.tensorflow.stats import observed_readiness
+
+    # The first run is left out (it sets up the group); then b is ready before a, by 2, 4 and 3 ms,
+    # and both pieces are in flight together for 10 ms: 80 bytes / 10 ms.
+    runs = [(0.0, [50.0, 50.0], [90.0, 90.0])]
+    runs += [(t, [t + 0.001 + gap, t + 0.001], [t + 0.011, t + 0.011])
+             for t, gap in ((1.0, 0.002), (2.0, 0.004), (3.0, 0.003))]
+    record = _fed_record((("a",), ("b", "c")), runs)
+    seen = observed_readiness([record], ["c", "b", "a"])
+    assert seen["runs"] == 3
+    assert seen["ready"] == {"a": pytest.approx(0.003), "b": 0.0, "c": 0.0}  # c: fused with b
+    assert seen["link_bytes_per_s"] == pytest.approx(80 / 0.010)
+    assert observed_readiness([record], ["a", "b"]) is None  # another set of gradients
+    assert observed_readiness([record], ["a", "b", "c"], min_runs=4) is None  # not measured enough
+    assert observed_readiness([_fed_record((("a",), ("b", "c")), runs[:2])], ["a", "b", "c"]) is None
+
+
+def test_static_plans_its_next_trace_from_what_the_first_measured(monkeypatch):
+    # ordering="static": the first trace plans from the model; a new trace of the same gradients plans
+    # from the order and link rate observed (here: what observed_readiness returns), on a shared link.
+    import commsched.plugins.tensorflow.reduction as reduction
+
+    reducer = GradientReducer(dataclasses.replace(CONFIG, ordering="static"))
+    step = _compiled(reducer)
+    values = _values()
+    for _ in range(3):
+        step(*values)
+    first = reducer.plans[-1]
+    assert [p.name for p in first.pieces][0] == "v3#0"  # the model: the last gradient is ready first
+    seen = reduction.observed_readiness(reducer.records, [f"v{i}" for i in range(4)])
+    assert seen is not None and seen["runs"] == 2 and set(seen["ready"]) == {"v0", "v1", "v2", "v3"}
+    assert reducer.records[-1].members == (("v0",), ("v1",), ("v2",), ("v3",))
+    observed = {"ready": {"v0": 0.0, "v1": 0.0, "v2": 0.0, "v3": 0.0}, "link_bytes_per_s": 1e6, "runs": 2}
+    calls = []
+
+    def fake(records, names):
+        calls.append(list(names))
+        return observed
+
+    monkeypatch.setattr(reduction, "observed_readiness", fake)
+    out = _compiled(reducer)(*values)  # a new tf.function: traced again
+    for a, b in zip(out, values, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert calls == [[f"v{i}" for i in range(4)]]
+    second = reducer.plans[-1]
+    assert [p.name for p in second.pieces][:3] == ["v0#0", "v0#1", "v0#2"]  # all ready at once: by priority
+    assert second is not first and sorted(p.name for p in second.pieces) == sorted(p.name for p in first.pieces)
+
+
+def test_function_traces_a_static_step_again_once_at_the_retrace_call():
+    from commsched.plugins.tensorflow import function
+    from commsched.plugins.tensorflow.functions import RETRACE_AT_CALL
+    from commsched.plugins.tensorflow.reduction import static_pending
+
+    reducer = GradientReducer(dataclasses.replace(CONFIG, ordering="static"))
+    group, values = ReplicaGroup(1, 0, "/device:CPU:0"), _values()
+    traces = []
+
+    def body(*vs):
+        traces.append(len(reducer.plans))
+        return reducer._reduce_dense(list(vs), [f"v{i}" for i in range(len(vs))], group)
+
+    step = function(body)
+    for call in range(1, RETRACE_AT_CALL + 3):
+        out = step(*values)
+        assert static_pending() == (call < RETRACE_AT_CALL)
+    assert len(traces) == 2  # the first call, and once more at RETRACE_AT_CALL
+    for a, b in zip(out, values, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert len(reducer.records) == 2 and reducer.records[-1].recorder.count == 3
+    # dynamic: never traced again
+    dynamic = GradientReducer(CONFIG)
+    again = function(lambda *vs: dynamic._reduce_dense(list(vs), [f"v{i}" for i in range(len(vs))], group))
+    for _ in range(RETRACE_AT_CALL + 1):
+        again(*values)
+    assert len(dynamic.plans) == 1
+    reducer.close()

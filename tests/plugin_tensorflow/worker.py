@@ -229,6 +229,18 @@ def scenario_keras3() -> None:
     result["unroll"]["iterations"] = int(opt.iterations.numpy())
     result["unroll_s"] = time.time() - t0
 
+    # ordering="static": unroll()'s function traces the step again at call RETRACE_AT_CALL (4, the
+    # last of the 4 steps here), planned from the order the first trace measured, worker 0's for both.
+    from commsched.plugins.tensorflow.functions import RETRACE_AT_CALL
+    from commsched.plugins.tensorflow.reduction import static_pending
+
+    assert STEPS >= RETRACE_AT_CALL
+    static = dataclasses.replace(CONFIG, ordering="static")
+    ours, opt, _ = custom_loop(strategy, keras, make_adam, wrap=True, unrolled=1, init=init, config=static)
+    result["static"] = same_weights(refs["adam"], ours, init)
+    result["static"].update(traces=len(opt.commsched.plans), pending=static_pending(),
+                            orders=[list(p.order) for p in opt.commsched.plans])
+
     # DistributedGradientTape, op="mean": the mean over workers of each worker's own mean loss,
     # applied by a DistributedOptimizer (which must not reduce them again).
     # op="sum" with a Keras 3 loss object (which, inside strategy.run, already divides by the

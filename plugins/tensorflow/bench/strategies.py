@@ -24,7 +24,8 @@ Strategies:
   defaults: tensor fusion, gloo), no ``tf.distribute``; skipped with a message when
   ``import horovod.tensorflow`` fails;
 - ``hvd_dynamic``: commsched ``DistributedOptimizer(..., backend="horovod")``, unrolled
-  as ``dynamic`` is (``--unroll``);
+  as ``dynamic`` is (``--unroll``); ``static`` traces its step again at call 4, planned
+  from the order observed (docs/tensorflow.md, step 2);
 - ``compute``: the same model on one worker alone, no reduction;
 - ``comm``: only MWMS's all-reduce of the gradients, step after step.
 
