@@ -166,6 +166,8 @@ class GradientReducer:
         self.plan: CommPlan | None = None
         self.closed = False
         self._traces = 0
+        #: ordering="static": what the newest trace planned from ("model", or "observed": step 2 of docs/tensorflow.md)
+        self._planned_from = "model"
         if self.config.ordering == "planned":
             if self.config.plan is None:
                 raise ValueError("ordering='planned' on TensorFlow needs a plan: SchedulerConfig(ordering='planned', "
@@ -234,7 +236,8 @@ class GradientReducer:
 
     def settings(self) -> dict[str, Any]:
         """The settings in use: ordering, piece size, credit, ordering chains, fusion threshold, backend, op, timeout
-        (and the plan's digest under ``ordering="planned"``)."""
+        (and the plan's digest under ``ordering="planned"``; under ``"static"``, ``planned_from``: ``"model"``
+        or ``"observed (<n> runs)"``, what the newest trace planned from)."""
         out: dict[str, Any] = {"ordering": self.config.ordering, "partition_bytes": self.config.partition_bytes,
                                "credit_bytes": self.config.credit_bytes, "slots": self.slots,
                                "fusion_bytes": self._fusion_bytes(),
@@ -243,6 +246,8 @@ class GradientReducer:
             out["measure"] = False
         if self.plan is not None:
             out["plan"] = self.plan.digest[:12]
+        if self.config.ordering == "static":
+            out["planned_from"] = self._planned_from
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -291,6 +296,7 @@ class GradientReducer:
         ready = backward_ready_times(sizes)
         observed = self._observation(names, group)
         if self.config.ordering == "static" and self.measure and not self.backend.negotiates_order:
+            self._planned_from = "model" if observed is None else f"observed ({observed['runs']} runs)"
             with _static_lock:
                 (_static_pending.add if observed is None else _static_pending.discard)(self)
         cost, graph = None, {}

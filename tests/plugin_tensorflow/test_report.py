@@ -259,10 +259,14 @@ def test_function_traces_a_static_step_again_once_at_the_retrace_call():
         return reducer._reduce_dense(list(vs), [f"v{i}" for i in range(len(vs))], group)
 
     step = function(body)
-    for call in range(1, RETRACE_AT_CALL + 3):
+    step(*values)
+    assert reducer.settings()["planned_from"] == "model"
+    for call in range(2, RETRACE_AT_CALL + 3):
         out = step(*values)
         assert static_pending() == (call < RETRACE_AT_CALL)
     assert len(traces) == 2  # the first call, and once more at RETRACE_AT_CALL
+    assert reducer.settings()["planned_from"] == "observed (2 runs)"
+    assert "planned_from=observed (2 runs)" in reducer.report()
     for a, b in zip(out, values, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert len(reducer.records) == 2 and reducer.records[-1].recorder.count == 3
@@ -271,5 +275,5 @@ def test_function_traces_a_static_step_again_once_at_the_retrace_call():
     again = function(lambda *vs: dynamic._reduce_dense(list(vs), [f"v{i}" for i in range(len(vs))], group))
     for _ in range(RETRACE_AT_CALL + 1):
         again(*values)
-    assert len(dynamic.plans) == 1
+    assert len(dynamic.plans) == 1 and "planned_from" not in dynamic.settings()
     reducer.close()
