@@ -295,7 +295,7 @@ class GradientReducer:
         sizes = [int(v.shape.num_elements()) * v.dtype.size for v in values]
         ready = backward_ready_times(sizes)
         observed = self._observation(names, group)
-        if self.config.ordering == "static" and self.measure and not self.backend.negotiates_order:
+        if self._observes():
             self._planned_from = "model" if observed is None else f"observed ({observed['runs']} runs)"
             with _static_lock:
                 (_static_pending.add if observed is None else _static_pending.discard)(self)
@@ -352,14 +352,21 @@ class GradientReducer:
             _split_into(out, joined, values, m)
         return out
 
+    def _observes(self) -> bool:
+        """Whether traces of this reducer plan from observations (``static``, measured, TF collective ops,
+        traced: not eagerly)."""
+        return (self.config.ordering == "static" and self.measure and not self.backend.negotiates_order
+                and not tf.executing_eagerly())
+
     @tf.autograph.experimental.do_not_convert  # eager reads of the stamps while a step is traced
     def _observation(self, names: list[str], group: ReplicaGroup) -> dict[str, Any] | None:
         """``ordering="static"``: what an earlier trace of these gradients measured
         (:func:`~commsched.plugins.tensorflow.stats.observed_readiness`), or None (the first trace,
         and always on Horovod: there, planned so, the step ran 0.90x plain Horovod against 1.00x
         as ``dynamic``; docs/tensorflow.md, step 2). Every worker plans from worker 0's observation
-        (an eager all-gather at trace time): the plan's order is the collectives' instance keys."""
-        if self.config.ordering != "static" or self.backend.negotiates_order:
+        (an eager all-gather at trace time): the plan's order is the collectives' instance keys.
+        Eagerly nothing is observed: there every step plans anew, and pieces run one after another."""
+        if self.config.ordering != "static" or self.backend.negotiates_order or tf.executing_eagerly():
             return None
         mine = observed_readiness(self.records, names) if self.measure else None
         if group.size > 1:

@@ -277,3 +277,14 @@ def test_function_traces_a_static_step_again_once_at_the_retrace_call():
         again(*values)
     assert len(dynamic.plans) == 1 and "planned_from" not in dynamic.settings()
     reducer.close()
+
+
+def test_eager_static_steps_observe_nothing_and_ask_for_no_retrace():
+    from commsched.plugins.tensorflow.reduction import static_pending
+
+    reducer = GradientReducer(dataclasses.replace(CONFIG, ordering="static"))
+    group, values = ReplicaGroup(1, 0, "/device:CPU:0"), _values()
+    for _ in range(3):  # eagerly every step plans anew, pieces one after another: nothing to observe
+        reducer._reduce_dense(values, [f"v{i}" for i in range(len(values))], group)
+    assert not static_pending() and reducer.settings()["planned_from"] == "model"
+    assert len(reducer.plans) == 3 and all(p.order == reducer.plans[0].order for p in reducer.plans)
