@@ -324,12 +324,16 @@ def plan(tensors: Sequence[PlanTensor], partition_bytes: int, credit_bytes: int,
         if in_flight:
             events.append(in_flight[0][0])
         if sending:  # the first to finish at an equal share of the link
-            events.append(now + min(r[0] for r in sending) * len(sending) / cost.link_bytes_per_s)
+            share = cost.link_bytes_per_s / len(sending)
+            first = min(r[0] for r in sending)
+            events.append(now + first / share)
         if not events:
             break
         later = max(now, min(events))
         if sending:
-            sent = (later - now) * cost.link_bytes_per_s / len(sending)
+            sent = (later - now) * share
+            if later >= now + first / share:  # its end is this event: exactly, whatever the clock's rounding
+                sent = max(sent, first)
             still = []
             for r in sending:
                 r[0] -= sent

@@ -254,3 +254,14 @@ def test_lookahead_changes_nothing_when_backward_is_longer_than_the_window():
     assert [(p.name, p.slot, p.issue) for p in held.pieces] == [(p.name, p.slot, p.issue) for p in greedy.pieces]
     with pytest.raises(ValueError, match="lookahead_s"):
         plan(tensors, 4 << 20, 16 << 20, slots=4, lookahead_s=-1.0)
+
+
+@pytest.mark.timeout(20)
+def test_a_shared_link_ends_pieces_whatever_the_clocks_rounding():
+    # at t = 1e9 s a 1-byte piece's share of the link is below the clock's resolution: the piece still
+    # ends at its event (an earlier version looped for ever here)
+    for ready in (1e9, 1e12):
+        tensors = [PlanTensor("a", 1, 1, priority=0, ready=ready), PlanTensor("b", 3, 1, priority=1, ready=ready)]
+        result = plan(tensors, 1, 10, slots=2, cost=CostModel(link_bytes_per_s=1e8, latency_s=0.0), shared_link=True)
+        assert sorted(p.name for p in result.pieces) == ["a#0", "b#0", "b#1", "b#2"]
+        assert all(p.finish >= p.issue >= ready for p in result.pieces)
