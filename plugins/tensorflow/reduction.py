@@ -366,9 +366,9 @@ class GradientReducer:
         as ``dynamic``; docs/tensorflow.md, step 2). Every worker plans from worker 0's observation
         (an eager all-gather at trace time): the plan's order is the collectives' instance keys.
         Eagerly nothing is observed: there every step plans anew, and pieces run one after another."""
-        if self.config.ordering != "static" or self.backend.negotiates_order or tf.executing_eagerly():
+        if not self._observes():
             return None
-        mine = observed_readiness(self.records, names) if self.measure else None
+        mine = observed_readiness(self.records, names)
         if group.size > 1:
             mine = self.backend.all_gather_object(mine, group, what="the order it observed (ordering='static')")[0]
         return mine
