@@ -31,15 +31,14 @@ from commsched.bench.procs import signals_raise
 from commsched.bench.picture import draw_timeline
 from commsched.bench.report import (
     REGIME_TARGET,
-    ROUND_KEYS,
     assemble_report,
     build_report,
     markdown,
     median,
-    overlap_ratio,
     plot,
     reference_baseline,
     result_entry,
+    rounds_entry,
     step_fields,
     write_json,
 )
@@ -315,9 +314,10 @@ def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequenc
     baseline = reference_baseline(*(median(ok_medians[s]) if s in ok_medians else None for s in ("compute", "comm")))
     results = []
     for strategy in chosen:
-        runs = [(rnd, pos, _mlp_entry(s, r, e, cpu, out, args.batch_size, baseline), r)
+        runs = [(rnd, pos, _mlp_entry(s, r, e, cpu, out, args.batch_size, baseline), (r or {}).get("step_times_s"))
                 for s, rnd, pos, r, e, cpu, out in raw if s == strategy]
-        entry = runs[0][2] if rounds == 1 else _mlp_rounds_entry(runs, args.batch_size, baseline)
+        world = next((r.get("world", 1) for s, _, _, r, _, _, _ in raw if s == strategy and r), 1)
+        entry = runs[0][2] if rounds == 1 else rounds_entry(runs, baseline, args.batch_size * world)
         if strategy in ("compute", "comm"):  # they measure the bound: against it they say nothing
             entry.update(efficiency=None, overlap_ratio=None, exposed_comm_s=None, overlap_method=None)
         results.append(entry)
@@ -347,40 +347,6 @@ def _progress_line(strategy: str, result: dict | None, error: str | None, out: P
     if result and result.get("step_times_s") and error is None:
         return f"{strategy:>18}: {median(result['step_times_s']) * 1000:8.1f} ms/step (median)"
     return f"{strategy:>18}: failed ({(error or 'worker 0 wrote no result').splitlines()[0]}); logs in {out}"
-
-
-def _mlp_rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], dict | None]], batch_size: int,
-                      baseline: dict | None) -> dict[str, Any]:
-    """One strategy's entry from its runs of an interleaved MLP benchmark (``--rounds``):
-    ``runs`` holds (round, position, the run's own entry, what its worker 0 wrote).
-
-    As for torch (:func:`commsched.bench.report.summarize_rounds`): ``step_time_s`` is the median
-    of the rounds' medians, the quantiles and the mean pool every round's steps, ``stats``, CPU and
-    logs are the round's whose median is nearest, and ``rounds`` lists each round
-    (:data:`ROUND_KEYS`; :func:`assemble_report` fills the paired speedups). A failed round is
-    listed with its reason and left out of the figures."""
-    rounds = [{**dict.fromkeys(ROUND_KEYS), "round": rnd + 1, "position": pos + 1, "status": e["status"],
-               "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
-               "cpu_steal": e["cpu_steal"]}
-              for rnd, pos, e, _ in runs]
-    ok = [(e, r) for _, _, e, r in runs if e["status"] == "ok"]
-    if not ok:
-        return {**runs[0][2], "rounds": rounds}
-    step = median([e["step_time_s"] for e, _ in ok])
-    rep, _ = min(ok, key=lambda er: abs(er[0]["step_time_s"] - step))
-    pooled = [t for _, r in ok for t in r["step_times_s"]]
-    fields = step_fields(pooled, batch_size * ok[0][1].get("world", 1), baseline)
-    fields["step_time_s"] = step
-    fields["throughput_samples_s"] = batch_size * ok[0][1].get("world", 1) / step
-    if baseline is not None:
-        fields["efficiency"] = baseline["lower_bound_s"] / step
-        fields["overlap_ratio"], fields["exposed_comm_s"], fields["overlap_method"] = overlap_ratio(
-            baseline["comm_s"], baseline["compute_s"], step)
-    entry = {**rep, **fields, "rounds": rounds}
-    failed = [e["reason"] for _, _, e, _ in runs if e["status"] == "failed"]
-    if failed:
-        entry["reason"] = f"{len(failed)} of {len(runs)} rounds failed: {failed[0]}"
-    return entry
 
 
 def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict, out: Path,

@@ -34,10 +34,10 @@ Definitions (all times are medians over the measured steps, in seconds):
   backward hides it, 1 -- nothing to gain (the plain formula would give < 1);
 - ``speedup_vs_baseline = baseline step time / step time``, where the baseline
   is the framework's stock strategy named by ``baseline_strategy`` (``ddp``,
-  ``mwms``, ``dist_sync``); with ``--rounds R`` > 1 (torch), the median over the
+  ``mwms``, ``dist_sync``); with ``--rounds R`` > 1 (every framework), the median over the
   rounds of that ratio within each round (a paired ratio: a slow stretch of the
   machine that hits both phases of a round cancels), ``step_time_s`` the median
-  of the rounds' medians and ``rounds`` each round's figures (:func:`summarize_rounds`);
+  of the rounds' medians and ``rounds`` each round's figures (:func:`rounds_entry`);
 - ``cpu_steal``: the share of the machine's CPU time its hypervisor gave to other
   guests during the phase (``/proc/stat``'s steal; part of ``cpu_busy``);
 - ``breakdown`` (torch): where one step's time goes, per strategy (:func:`breakdown`;
@@ -322,7 +322,17 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
 
 
 def summarize_rounds(phases: Sequence[Any], baseline: dict | None, samples_per_step: int) -> dict[str, Any]:
-    """One strategy's entry from its phases of an interleaved run (``--rounds``; one phase per round).
+    """One strategy's entry from its phases of an interleaved run (``--rounds``; one phase per round):
+    :func:`rounds_entry` over each phase's own entry."""
+    return rounds_entry([(p.round, p.position, summarize_strategy(p, baseline, samples_per_step),
+                          p.ranks[0]["step_times_s"] if p.status == "ok" else [])
+                         for p in phases], baseline, samples_per_step)
+
+
+def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]], baseline: dict | None,
+                 samples_per_step: int) -> dict[str, Any]:
+    """One strategy's entry from its runs of an interleaved benchmark (``--rounds``, any framework):
+    ``runs`` holds (round, position, that run's own entry, its measured step times), both 0-based.
 
     ``step_time_s`` is the median of the rounds' medians (one slow round moves it little); the
     quantiles and the mean pool every round's steps; the other fields (bubble, breakdown, stats,
@@ -331,31 +341,30 @@ def summarize_rounds(phases: Sequence[Any], baseline: dict | None, samples_per_s
     :func:`assemble_report` fills its paired ``speedup_vs_baseline``. A failed round is listed,
     its reason kept, and left out of the figures; every round failed: the first failure's entry.
     """
-    entries = [summarize_strategy(p, baseline, samples_per_step) for p in phases]
-    rounds = [{**dict.fromkeys(ROUND_KEYS), "round": p.round + 1, "position": p.position + 1, "status": e["status"],
+    rounds = [{**dict.fromkeys(ROUND_KEYS), "round": r + 1, "position": pos + 1, "status": e["status"],
                "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
                "cpu_steal": e["cpu_steal"], "plan": round_plan(e.get("stats"))}
-              for p, e in zip(phases, entries, strict=True)]
-    ok = [(p, e) for p, e in zip(phases, entries, strict=True) if e["status"] == "ok"]
+              for r, pos, e, _ in runs]
+    ok = [(e, steps) for _, _, e, steps in runs if e["status"] == "ok"]
     if not ok:
-        return {**entries[0], "rounds": rounds}
-    step = median([e["step_time_s"] for _, e in ok])
-    _, rep = min(ok, key=lambda pe: abs(pe[1]["step_time_s"] - step))
-    pooled = [t for p, _ in ok for t in p.ranks[0]["step_times_s"]]
+        return {**runs[0][2], "rounds": rounds}
+    step = median([e["step_time_s"] for e, _ in ok])
+    rep, _ = min(ok, key=lambda es: abs(es[0]["step_time_s"] - step))
+    pooled = [t for _, steps in ok for t in steps]
     fields = step_fields(pooled, samples_per_step, baseline)
     fields["step_time_s"] = step
     fields["throughput_samples_s"] = samples_per_step / step
-    fields["mean_step_time_s"] = sum(e["mean_step_time_s"] * e["measured_steps"] for _, e in ok) / len(pooled)
+    fields["mean_step_time_s"] = sum(e["mean_step_time_s"] * e["measured_steps"] for e, _ in ok) / len(pooled)
     if baseline is not None and baseline.get("lower_bound_s") is not None:
         fields["efficiency"] = baseline["lower_bound_s"] / step
         fields["overlap_ratio"], fields["exposed_comm_s"], method = overlap_ratio(
             baseline["comm_s"], baseline["compute_s"], step, rep["bubble_s"])
         measured = rep["bubble_s"] is not None and fields["overlap_ratio"] is not None
         fields["overlap_method"] = method + (f" ({rep['bubble_method']})" if measured else "")
-    failed = [e["reason"] for e in entries if e["status"] == "failed"]
+    failed = [e["reason"] for _, _, e, _ in runs if e["status"] == "failed"]
     entry = {**rep, **fields, "rounds": rounds}
     if failed:
-        entry["reason"] = f"{len(failed)} of {len(entries)} rounds failed: {failed[0]}"
+        entry["reason"] = f"{len(failed)} of {len(runs)} rounds failed: {failed[0]}"
     return entry
 
 
