@@ -26,13 +26,15 @@ or to see what a plan made elsewhere must call them.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Iterable
 
 import tensorflow as tf
 
 from commsched.plan import PlannedTensor
 from commsched.plugins.tensorflow.failures import raise_translated
-from commsched.plugins.tensorflow.reduction import planned_tensor, process_report, static_pending, variable_name
+from commsched.plugins.tensorflow.reduction import (planned_tensor, process_report, static_pending, tracing_into,
+                                                    variable_name)
 
 __all__ = ["function", "plan_model", "report", "unroll"]
 
@@ -59,23 +61,25 @@ class CompiledStep:
 
     ``rebuild`` (set by :func:`function` for what it compiles): a new ``tf.function`` of the
     same Python function. Before call :data:`RETRACE_AT_CALL` it replaces the compiled one
-    once if a reducer with ``ordering="static"`` still plans from the model
-    (:func:`~.reduction.static_pending`): the new trace plans from the order the first one
-    measured. Every worker calls its step as often, so every worker traces again at the
-    same call."""
+    once if a reducer with ``ordering="static"`` that its own trace used still plans from the
+    model (:func:`~.reduction.static_pending`; another step's reducers do not count): the new
+    trace plans from the order the first one measured. Every worker calls its step as often, so
+    every worker traces again at the same call."""
 
     def __init__(self, compiled: Any, rebuild: Callable[[], Any] | None = None) -> None:
         self._compiled = compiled
         self._rebuild = rebuild
         self._calls = 0
+        self._reducers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the static reducers its traces used
         functools.update_wrapper(self, compiled, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._calls += 1
-        if self._calls == RETRACE_AT_CALL and self._rebuild is not None and static_pending():
+        if self._calls == RETRACE_AT_CALL and self._rebuild is not None and static_pending(self._reducers):
             self._compiled = self._rebuild()
         try:
-            return self._compiled(*args, **kwargs)
+            with tracing_into(self._reducers):  # a call may trace (the first, a new signature, the retrace)
+                return self._compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 (translated or re-raised unchanged)
             raise_translated(exc)
 

@@ -37,12 +37,13 @@ wrapper passes them through untouched, which is what makes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import tensorflow as tf
 
@@ -83,14 +84,32 @@ _records_lock = threading.Lock()
 #: reducers with ordering="static" whose newest trace planned from the model, not from an observation:
 #: :func:`commsched.plugins.tensorflow.function` traces its step again once (see :func:`static_pending`)
 _static_pending: "weakref.WeakSet[GradientReducer]" = weakref.WeakSet()
+#: the sets of :func:`tracing_into` now open: a static reducer that traces joins each
+_static_collectors: "list[weakref.WeakSet[GradientReducer]]" = []
 _static_lock = threading.Lock()
 
 
-def static_pending() -> bool:
-    """True while some open reducer with ``ordering="static"`` traced only from the model: a new
-    trace would plan it from the order its graph measured (``GradientReducer._observation``)."""
+def static_pending(reducers: "Iterable[GradientReducer] | None" = None) -> bool:
+    """True while some open reducer with ``ordering="static"`` (of ``reducers``; None: of the process)
+    traced only from the model: a new trace would plan it from the order its graph measured
+    (``GradientReducer._observation``)."""
     with _static_lock:
-        return any(not r.closed for r in _static_pending)
+        pool = _static_pending if reducers is None else [r for r in reducers if r in _static_pending]
+        return any(not r.closed for r in pool)
+
+
+@contextlib.contextmanager
+def tracing_into(reducers: "weakref.WeakSet[GradientReducer]") -> Iterator[None]:
+    """While open, every static reducer that traces (on any thread: a distribution strategy traces its
+    replica function on threads of its own) is added to ``reducers``: what a compiled step's
+    graph holds, so that :class:`~.functions.CompiledStep` traces again only for its own."""
+    with _static_lock:
+        _static_collectors.append(reducers)
+    try:
+        yield
+    finally:
+        with _static_lock:  # by identity: WeakSets compare by their members
+            del _static_collectors[next(i for i, c in enumerate(_static_collectors) if c is reducers)]
 _timelines: dict[str, tuple[Timeline, list[float]]] = {}  # path -> (timeline, [end of the last plan, us])
 _timelines_lock = threading.Lock()
 # Plans every worker agreed on, by (plan source, this run's gradients, world size): the agreement
@@ -299,6 +318,8 @@ class GradientReducer:
             self._planned_from = "model" if observed is None else f"observed ({observed['runs']} runs)"
             with _static_lock:
                 (_static_pending.add if observed is None else _static_pending.discard)(self)
+                for reducers in _static_collectors:
+                    reducers.add(self)
         cost, graph = None, {}
         if observed is not None:  # static, traced again: the order and link rate the graph measured
             ready = [observed["ready"][n] for n in names]

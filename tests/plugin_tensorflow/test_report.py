@@ -279,6 +279,29 @@ def test_function_traces_a_static_step_again_once_at_the_retrace_call():
     reducer.close()
 
 
+def test_function_traces_again_only_for_a_static_reducer_its_own_trace_used():
+    # a static reducer still planned from the model makes its own step trace again, not every compiled
+    # step of the process (an evaluation step, another model's step)
+    from commsched.plugins.tensorflow import function
+    from commsched.plugins.tensorflow.functions import RETRACE_AT_CALL
+    from commsched.plugins.tensorflow.reduction import static_pending
+
+    group, values = ReplicaGroup(1, 0, "/device:CPU:0"), _values()
+    names = [f"v{i}" for i in range(len(values))]
+    waiting = GradientReducer(dataclasses.replace(CONFIG, ordering="static"))
+    first = function(lambda *vs: waiting._reduce_dense(list(vs), names, group))
+    first(*values)  # traced from the model, and not called again: it stays pending
+    other = GradientReducer(CONFIG)
+    second = function(lambda *vs: other._reduce_dense(list(vs), names, group))
+    for _ in range(RETRACE_AT_CALL + 1):
+        second(*values)
+        assert static_pending() and not static_pending(second._reducers)
+    assert len(other.plans) == 1  # traced once: the pending reducer is not its own
+    assert set(first._reducers) == {waiting} and static_pending(first._reducers)
+    waiting.close()
+    assert not static_pending(first._reducers)
+
+
 def test_eager_static_steps_observe_nothing_and_ask_for_no_retrace():
     from commsched.plugins.tensorflow.reduction import static_pending
 
