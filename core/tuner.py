@@ -216,10 +216,11 @@ class ModelStarts:
 
 
 def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gain: float | None = None,
-                 plan_time_limit_s: float = 10.0) -> ModelStarts:
+                 plan_time_limit_s: float = 10.0, default: Settings | None = None) -> ModelStarts:
     """The cost model's start points for the tuner, best predicted first: the advised runtime
     setting (``commsched.costmodel.cli.advise``: ``fifo``, or ``dynamic`` with its best piece size
-    x credit) and the planner's plan (:func:`commsched.costmodel.planner.make_plan`) where it is
+    x credit; ``default``, the config's own settings, unless a candidate is predicted more than the
+    model's error ahead of it) and the planner's plan (:func:`commsched.costmodel.planner.make_plan`) where it is
     predicted more than ``plan_min_gain`` ahead of that setting (default the planner's own margin,
     ``PlanSearch.min_gain``: the model's measured error). What only a plan chooses: the two-level
     algorithm per piece, per-tensor sizes, fused groups; on one flat link EDD is already optimal
@@ -232,13 +233,17 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
     try:
         from commsched.costmodel.cli import advise
 
-        advice = advise(profile, topology, fusion_bytes=fusion_bytes)
+        usual = None if default is None else {"ordering": default.ordering, "partition_bytes": default.partition_bytes,
+                                              "credit_bytes": default.credit_bytes}
+        advice = advise(profile, topology, fusion_bytes=fusion_bytes, default=usual)
         a = advice["settings"]
         advised = Settings(a["ordering"], a.get("partition_bytes", UNLIMITED_BYTES),
                            a.get("credit_bytes", UNLIMITED_BYTES), fusion_bytes)
         advised_s = float(advice["commsched_step_s"])
         starts.append(advised)
-        notes.append(f"cost model recommends {advised.describe()} (predicted {advised_s * 1e3:.2f} ms)")
+        kept = " (the config's own: nothing predicted more than the model's error ahead)" \
+            if advice.get("kept_default") else ""
+        notes.append(f"cost model recommends {advised.describe()} (predicted {advised_s * 1e3:.2f} ms){kept}")
     except Exception as exc:  # noqa: BLE001 - see the docstring
         notes.append(f"no cost-model recommendation ({exc!r})")
     try:

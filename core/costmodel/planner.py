@@ -22,7 +22,7 @@ what each stage gained.
 
 Search, in stages (each records its best step time in ``PlanResult.stages``):
 
-* ``dynamic`` — the runtime's default: 1 MiB pieces, 4 MiB credit, flat ring, small gradients
+* ``dynamic`` — the benchmark's ``dynamic``: 1 MiB pieces, 4 MiB credit, flat ring, small gradients
   fused up to 256 KiB (the reference the gains are measured from; not a plan candidate of its own);
 * ``greedy`` — EDD order for each piece size × credit × fusion threshold × algorithm
   rule (``ring``, ``hierarchical``, or the faster of the two per piece);
@@ -69,9 +69,9 @@ from commsched.partition import piece_bounds
 __all__ = ["ALGORITHM_RULES", "PlanResult", "PlanSearch", "greedy_plan", "make_groups", "make_plan", "solve_order"]
 
 KIB, MIB = 1 << 10, 1 << 20
-#: The greedy grid's point that is the runtime's default (``dynamic``'s settings, as a plan).
-#: The runtime's defaults (``SchedulerConfig()``: 1 MiB pieces, 4 MiB credit, small gradients fused
-#: up to 256 KiB; flat ring), as the planner's grid names them: what ``dynamic`` runs.
+#: The greedy grid's point that is the runtime's default (``dynamic``'s settings, as a plan): the
+#: benchmark's ``dynamic`` (``--partition-mb 1 --credit-mb 4``; ``SchedulerConfig()`` itself is 4 MiB /
+#: 16 MiB), small gradients fused up to 256 KiB, flat ring, as the planner's grid names them.
 DEFAULT_KNOBS = {"fusion_bytes": 256 * KIB, "partition_bytes": 1 * MIB, "algorithm": "ring", "credit_bytes": 4 * MIB}
 #: How the algorithm of each piece is chosen in the greedy stage.
 ALGORITHM_RULES = ("ring", "hierarchical", "best")

@@ -708,8 +708,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     def _make_tuner(self) -> Any:
         """The tuner of ``ordering="auto"``: starts at the cost model's recommendations for the profile
         of the first steps on the topology (:func:`commsched.tuner.model_starts`: the planner's plan
-        where it is predicted more than :data:`AUTO_PLAN_MIN_GAIN` ahead, then the advised setting),
-        then the config's own settings and plain fifo without partition or credit."""
+        where it is predicted more than :data:`AUTO_PLAN_MIN_GAIN` ahead, then the advised setting, which
+        is the config's own unless the model puts another more than its error ahead), then the config's
+        own settings and plain fifo without partition or credit."""
         cross = self._requested.cross_iteration
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
                        self._requested.fusion_bytes, cross_iteration=cross)
@@ -720,7 +721,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         space = SearchSpace(cross_iterations=(True, False) if cross else (False,))
         last = (plain_fifo, dataclasses.replace(plain_fifo, cross_iteration=False)) if cross else (plain_fifo,)
         found = model_starts(self.profile(), self._topology_or_default(), self._requested.fusion_bytes,
-                             plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S)
+                             plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S, default=own)
         for note in found.notes:
             tuner_log.info("%s", note)
         self._auto_plans, self._auto_notes = found.plans, list(found.notes)

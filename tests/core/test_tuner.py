@@ -308,6 +308,16 @@ def test_on_one_flat_link_a_plan_inside_the_margin_is_not_tried():
     assert found.starts[0].fusion_bytes == 256 << 10  # the config's fusion stays
 
 
+def test_the_advised_start_is_the_configs_own_where_the_model_cannot_tell_settings_apart():
+    from commsched.tuner import model_starts
+
+    prof = _profile([4, 4, 4], fwd=0.05, bwd=0.1)  # compute-bound: every setting within the model's error
+    own = Settings("dynamic", 2 * MIB, 8 * MIB, 256 << 10)
+    found = model_starts(prof, _topology(2, 1, 125e6, 125e6), 256 << 10, plan_time_limit_s=1.0, default=own)
+    assert found.starts[0] == own, found.notes  # so the tuner measures it once, not a guess beside it
+    assert "the config's own" in found.notes[0]
+
+
 def test_without_a_planner_the_advice_alone_is_the_start(monkeypatch):
     import builtins
 
