@@ -527,7 +527,7 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     than ``margin`` ahead (default ``PlanSearch.min_gain``, 5 %: the model's error on this machine, the
     planner's own rule): a smaller predicted gain is a guess, and where the model cannot tell settings
     apart what it misses decides. Measured on comm-heavy (2 workers, 1 Gbit/s): the model put 4 MiB
-    pieces under a 4 MiB credit 2.1 % ahead of 1 MiB pieces under 4 MiB, and they ran 6-9 % behind in
+    pieces under a 4 MiB credit 2.1 % ahead of 1 MiB pieces under 4 MiB, and they ran 5-10 % behind in
     three runs (one piece in flight: every piece waits for both ranks' issue, and the small ones run
     alone). ``best_candidate`` is the model's own best either way."""
     fusion = SimSettings().fusion_bytes if fusion_bytes is None else int(fusion_bytes)

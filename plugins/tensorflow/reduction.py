@@ -110,6 +110,8 @@ def tracing_into(reducers: "weakref.WeakSet[GradientReducer]") -> Iterator[None]
     finally:
         with _static_lock:  # by identity: WeakSets compare by their members
             del _static_collectors[next(i for i, c in enumerate(_static_collectors) if c is reducers)]
+
+
 _timelines: dict[str, tuple[Timeline, list[float]]] = {}  # path -> (timeline, [end of the last plan, us])
 _timelines_lock = threading.Lock()
 # Plans every worker agreed on, by (plan source, this run's gradients, world size): the agreement
