@@ -543,7 +543,7 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         chosen = {"ordering": "dynamic", "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
         candidates.append((simulate(profile, topology, "dynamic", s), chosen, s))
     best, settings, best_sim = min(candidates, key=lambda c: c[0].step_time_s)
-    usual = _default_candidate(profile, topology, default, fusion)
+    usual = _default_candidate(profile, topology, default, fusion, candidates)
     best_candidate = {"settings": settings, "step_s": best.step_time_s}
     gain = 1 - best.step_time_s / usual[0].step_time_s if usual[0].step_time_s > 0 else 0.0
     kept = gain <= margin
@@ -584,9 +584,9 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         reasons.append(f"the {algo} algorithm would cut the all-reduce from {comm:.3g} s to {algo_s:.3g} s "
                        "(the topology planner chooses it per piece)")
     if kept and best_candidate["settings"] != settings:
-        reasons.append(f"the model's best, {_describe(best_candidate['settings'])} ({best_candidate['step_s']:.4g} s), "
-                       f"is {gain:.1%} ahead of the default {_describe(settings)}: inside the model's error "
-                       f"({margin:.0%}), so the default stays")
+        reasons.append(f"the model's best, {_describe(best_candidate['settings'], fusion)} "
+                       f"({best_candidate['step_s']:.4g} s), is {gain:.1%} ahead of the default "
+                       f"{_describe(settings, fusion)}: inside the model's error ({margin:.0%}), so the default stays")
     helps = speedup >= 1.03
     return {"helps": helps, "expected_speedup_vs_ddp": speedup, "best_ddp": ddp.strategy,
             "best_ddp_step_s": ddp.step_time_s, "commsched_step_s": best.step_time_s, "settings": settings,
@@ -597,9 +597,11 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
             "margin": margin, "kept_default": kept}
 
 
-def _default_candidate(profile: Profile, topology: Topology, default: dict[str, Any] | None,
-                       fusion: int) -> tuple[SimResult, dict[str, Any], SimSettings]:
-    """The settings that run without advice (``SchedulerConfig()``'s where ``default`` is None), simulated."""
+def _default_candidate(profile: Profile, topology: Topology, default: dict[str, Any] | None, fusion: int,
+                       simulated: list[tuple[SimResult, dict[str, Any], SimSettings]]
+                       ) -> tuple[SimResult, dict[str, Any], SimSettings]:
+    """The settings that run without advice (``SchedulerConfig()``'s where ``default`` is None), simulated:
+    taken from ``simulated`` (the grid's candidates) when it holds them."""
     if default is None:
         config = SchedulerConfig()
         default = {"ordering": config.ordering, "partition_bytes": config.partition_bytes,
@@ -608,19 +610,21 @@ def _default_candidate(profile: Profile, topology: Topology, default: dict[str, 
     if ordering not in ("fifo", "dynamic", "static"):  # auto, planned: the runtime setting they start from
         ordering = "dynamic"
     if ordering == "fifo":
-        return simulate(profile, topology, "fifo", SimSettings(fusion_bytes=fusion)), {"ordering": "fifo"}, \
-            SimSettings(fusion_bytes=fusion)
-    s = SimSettings(partition_bytes=int(default["partition_bytes"]), credit_bytes=int(default["credit_bytes"]),
-                    fusion_bytes=fusion)
-    chosen = {"ordering": ordering, "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
-    return simulate(profile, topology, ordering, s), chosen, s
+        chosen, s = {"ordering": "fifo"}, SimSettings(fusion_bytes=fusion)
+    else:
+        s = SimSettings(partition_bytes=int(default["partition_bytes"]), credit_bytes=int(default["credit_bytes"]),
+                        fusion_bytes=fusion)
+        chosen = {"ordering": ordering, "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
+    found = next((c for c in simulated if c[1] == chosen), None)
+    return found if found is not None else (simulate(profile, topology, ordering, s), chosen, s)
 
 
-def _describe(settings: dict[str, Any]) -> str:
-    if settings.get("ordering") == "fifo" or "partition_bytes" not in settings:
-        return settings.get("ordering", "?")
-    return (f"{settings['ordering']} {settings['partition_bytes'] / MB:g} MiB pieces / "
-            f"{settings['credit_bytes'] / MB:g} MiB credit")
+def _describe(settings: dict[str, Any], fusion: int) -> str:
+    """``settings`` (an advice's) as the tuner names settings."""
+    from commsched.tuner import UNLIMITED_BYTES, Settings
+
+    return Settings(settings["ordering"], settings.get("partition_bytes", UNLIMITED_BYTES),
+                    settings.get("credit_bytes", UNLIMITED_BYTES), fusion).describe()
 
 
 def add_advise_arguments(p: argparse.ArgumentParser) -> None:

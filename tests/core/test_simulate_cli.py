@@ -90,7 +90,8 @@ def test_advise_departs_from_the_default_only_for_a_gain_beyond_the_models_error
     assert kept["kept_default"] is True and kept["settings"] == usual and kept["best_candidate"] == best
     assert kept["commsched_step_s"] == pytest.approx(kept["default"]["step_s"])
     assert kept["expected_speedup_vs_ddp"] == pytest.approx(kept["best_ddp_step_s"] / kept["default"]["step_s"])
-    assert any("inside the model's error" in r and "16 MiB pieces" in r for r in kept["reasons"])
+    assert any("inside the model's error" in r and "default dynamic partition=16MiB credit=16MiB" in r
+               for r in kept["reasons"])
     # the model's own best as the default: nothing to say
     same = advise(prof, topo, default=best["settings"])
     assert same["settings"] == best["settings"] and not any("model's error" in r for r in same["reasons"])
