@@ -192,6 +192,7 @@ class SchedulerState:
         if exc is not None:
             self.fail(failures.piece_failed(piece, exc, self.rank, remote))
             return False
+        self.counters.landed(piece)
         piece.task.remaining -= 1
         if piece.task.remaining:
             return False

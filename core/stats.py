@@ -15,9 +15,10 @@ class Counters:
     few steps the pieces, bytes and the order in which pieces started. Not thread-safe:
     the scheduler updates it under its lock.
 
-    ``issue_times`` (same steps) stamps each started piece, in start order, with two wall
+    ``issue_times`` (same steps) stamps each started piece, in start order, with three wall
     clock times (``time.time()``, seconds): ``issued_at``, when this rank decided to start
-    it, and ``ready_at``, when its tensor was submitted (the data was ready). Kept apart
+    it, ``ready_at``, when its tensor was submitted (the data was ready), and ``landed_at``,
+    when the engine reported it done (None until then, or if it failed). Kept apart
     from ``per_step``, which ranks compare for equality. On one machine (the benchmark's
     emulated cluster) the clocks of all ranks are the same clock, so rank 0's ``issued_at``
     against a follower's is the latency from rank 0's decision to the follower's issue.
@@ -41,18 +42,29 @@ class Counters:
         if per_step is None:
             per_step = self.per_step[step] = {"pieces": 0, "bytes": 0, "order": []}
             self.per_step.pop(step - _STEPS_KEPT, None)
-            self.issue_times[step] = {"issued_at": [], "ready_at": []}
+            self.issue_times[step] = {"issued_at": [], "ready_at": [], "landed_at": []}
             self.issue_times.pop(step - _STEPS_KEPT, None)
         per_step["pieces"] += 1
         per_step["bytes"] += piece.nbytes
         per_step["order"].append(piece.name)
         now = time.time()
         times = self.issue_times[step]
+        piece.stat_slot = (step, len(times["issued_at"]))
         times["issued_at"].append(now)
+        times["landed_at"].append(None)
         # submitted_us and issued_us are on the timeline's monotonic clock: their difference
         # moves the submission onto the wall clock.
         waited_us = getattr(piece, "issued_us", 0.0) - getattr(piece.task, "submitted_us", 0.0)
         times["ready_at"].append(now - max(0.0, waited_us) / 1e6)
+
+    def landed(self, piece: Any) -> None:
+        """Stamp ``landed_at`` of ``piece`` (if its step is still kept)."""
+        if piece.stat_slot is None:
+            return
+        step, index = piece.stat_slot
+        times = self.issue_times.get(step)
+        if times is not None:
+            times["landed_at"][index] = time.time()
 
     def snapshot(self) -> dict[str, Any]:
         """A copy: the totals, ``per_step`` and ``issue_times``."""

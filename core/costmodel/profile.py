@@ -21,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
-__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "load_json", "read_json", "steal_share",
-           "write_json"]
+__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "handoff_from_times", "load_json",
+           "read_json", "steal_share", "write_json"]
 
 SCHEMA = "commsched-profile/1"
 
@@ -107,6 +107,11 @@ class Profile:
     ``step()`` over all parameters at once, as DDP, Horovod and the synchronous path
     call it (``None``: the sum of the layers' ``apply_s``, the per-layer update that
     cross-iteration runs in the next forward).
+    ``handoff_s``: how long the link stays idle when a piece waited for another to land
+    (one piece in flight): from the collective's end to the last rank's issue of the next
+    piece (its completion seen on the engine's thread, the scheduler's dispatch, the
+    follower's wait for rank 0's decision, each behind the model's Python for the GIL).
+    Measured by ``commsched profile`` (:func:`handoff_from_times`); 0 where not measured.
     ``tied``: the tensors that are a tied embedding's weight (one parameter used by the input
     lookup, first in forward, and the output projection, last), which PyTorch's
     ``DistributedOptimizer(split_tied_embeddings=True)`` splits; :meth:`with_tied_split` models
@@ -124,6 +129,7 @@ class Profile:
     comm_contention: float = 1.0
     per_piece_steal_s: float = 0.0
     tied: tuple[str, ...] = ()
+    handoff_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -143,6 +149,7 @@ class Profile:
         _check_time("profile", "step_overhead_s", self.step_overhead_s)
         _check_time("profile", "per_piece_cpu_s", self.per_piece_cpu_s)
         _check_time("profile", "per_piece_steal_s", self.per_piece_steal_s)
+        _check_time("profile", "handoff_s", self.handoff_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
         object.__setattr__(self, "tied", tuple(self.tied))
@@ -205,7 +212,7 @@ class Profile:
                        per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta),
                        optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
                        comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
-                       tied=self.tied)
+                       tied=self.tied, handoff_s=self.handoff_s)
 
     def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
         """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
@@ -287,7 +294,8 @@ class Profile:
                        per_piece_cpu_s=float(data.get("per_piece_cpu_s", 12e-6)), meta=dict(data.get("meta", {})),
                        optimizer_step_s=data.get("optimizer_step_s"),
                        per_piece_steal_s=float(data.get("per_piece_steal_s", 0.0)),
-                       tied=tuple(str(n) for n in data.get("tied", ())))
+                       tied=tuple(str(n) for n in data.get("tied", ())),
+                       handoff_s=float(data.get("handoff_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None
@@ -295,6 +303,47 @@ class Profile:
     @classmethod
     def from_json(cls, path: str) -> "Profile":
         return load_json(path, cls.from_dict)
+
+
+def handoff_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The link's idle time per hand-off, from every rank's ``Scheduler.stats()`` (its
+    ``per_step`` orders and ``issue_times``) in a run with one piece in flight; the clocks must
+    be one clock (ranks of one machine).
+
+    For two pieces started one after the other in a step (by rank 0's order; a piece is found
+    on the other ranks by name), where the second's data was ready on every rank before the
+    first landed (so it waited for the first, not for its data): the gap from the first rank
+    to see the first land to the last rank to issue the second, which is when its collective
+    can start. ``value`` is their mean (the step pays each one; a negative gap, clock noise,
+    counts as 0), ``None`` without a single such pair."""
+    if not ranks:
+        raise ValueError("handoff_from_times needs the stats of at least one rank")
+    # steps by str(step): the same whether the stats came through JSON or not
+    stats = [({str(k): v["order"] for k, v in (r.get("per_step") or {}).items()},
+              {str(k): v for k, v in (r.get("issue_times") or {}).items()}) for r in ranks]
+    gaps: list[float] = []
+    for step, lead_order in stats[0][0].items():
+        if any(step not in times or step not in orders for orders, times in stats):
+            continue
+        slots = [{name: i for i, name in enumerate(orders[step])} for orders, _ in stats]
+        for first, second in zip(lead_order, lead_order[1:], strict=False):
+            if any(first not in s or second not in s for s in slots):
+                continue
+            at = [(times[step], s[first], s[second]) for (_, times), s in zip(stats, slots, strict=True)]
+            landed = [t["landed_at"][i] for t, i, _ in at]
+            if any(v is None for v in landed):
+                continue
+            free = min(landed)
+            if max(t["ready_at"][j] for t, _, j in at) > free:
+                continue  # the second waited for its data, not for the first
+            gaps.append(max(0.0, max(t["issued_at"][j] for t, _, j in at) - free))
+    gaps.sort()
+
+    def pick(q: float) -> float | None:
+        return gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else None
+    return {"value": sum(gaps) / len(gaps) if gaps else None, "pairs": len(gaps), "p50": pick(0.5),
+            "p90": pick(0.9), "how": "mean over consecutive pieces, the second ready before the first landed, "
+                                     "of (last rank's issue of the second - first rank's landing of the first)"}
 
 
 def steal_share(ranks: int, cores: int) -> float:

@@ -12,7 +12,12 @@ times slower, and while compute runs, what is left of each collective in flight 
 measured by the profiler from one all-reduce beside one step; 1 for the zoo's GPUs).
 Each commsched piece also takes ``profile.per_piece_steal_s`` from the compute lane when
 it is issued, if the lane is computing: the CPU commsched's own threads spend per piece
-where they share the model's cores (measured by ``commsched profile``; 0 on GPUs).
+where they share the model's cores (measured by ``commsched profile``; 0 on GPUs). A
+piece that waited for the one before it to land (the credit held one piece) starts on an
+idle link ``profile.handoff_s`` after that one ended: the completion, the dispatch and the
+last rank's issue, measured by ``commsched profile`` with one piece in flight. Where the
+credit holds more, the next piece is already queued behind the one on the link and pays
+nothing.
 
 The commsched strategies (``fifo``, ``dynamic``, ``static``) are not a second
 implementation: their pieces are the scheduler's own :class:`~commsched.task.Task`
@@ -57,6 +62,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import functools
 import heapq
 import json
 import math
@@ -208,6 +214,8 @@ class SimResult:
     trace: list[dict] = field(default_factory=list)
     #: the pieces of one steady-state step (step 1) in the order they started
     issue_order: list[str] = field(default_factory=list)
+    #: pieces per step that waited ``Profile.handoff_s`` on an idle link for the piece before them
+    handoffs_per_step: float = 0.0
 
     def trace_json(self) -> str:
         """The simulated steps as Chrome-trace JSON (Perfetto opens it)."""
@@ -501,6 +509,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         step_left[step] -= count
 
     pieces_total = [0]
+    handoffs = [0]  # pieces that waited profile.handoff_s on an idle link
     issue_order: list[str] = []
     # ---- commsched: the scheduler's own objects and policy. A task is one tensor, or with a
     # plan one group of the plan (fused tensors go together once the last of them is ready).
@@ -536,7 +545,11 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
             task_of.update(dict.fromkeys(entry[1], entry))
     group_waiting: dict[tuple[int, str], int] = {}  # tasks of several tensors: members not ready yet
 
-    def dispatch(step: int) -> None:
+    def dispatch(step: int, landed: bool = False) -> None:
+        """Start what the policy lets start. ``landed``: called because a piece landed; the
+        first piece it starts on an idle link waited for that one, and the link stays idle for
+        ``profile.handoff_s`` more (the hand-off between the engine's completion and the last
+        rank's issue, measured)."""
         while True:
             piece = policy.next(unstarted, step, in_flight[0])
             if piece is None:
@@ -552,15 +565,28 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                 if piece.task.remaining == 0:
                     for lj in layers_of.pop(id(piece.task)):
                         reduced(piece.task.step, lj)
-                dispatch(piece.task.step)
+                dispatch(piece.task.step, landed=True)
             piece_algorithm = piece.algorithm if plan is not None else model.algorithm
             sim.steal(profile.per_piece_steal_s)
-            send_piece(piece.nbytes, piece.name, done, piece_algorithm)
+            server = "rs" if phases_of(piece.nbytes, piece_algorithm) else "net"
+            if landed and profile.handoff_s > 0 and sim.current[server] is None and not sim.queues[server]:
+                handoffs[0] += 1
+                sim.after(profile.handoff_s, functools.partial(send_piece, piece.nbytes, piece.name, done,
+                                                               piece_algorithm))
+            else:
+                send_piece(piece.nbytes, piece.name, done, piece_algorithm)
+            landed = False
+
+    def phases_of(nbytes: int, piece_algorithm: str | None) -> tuple:
+        """The three phases of a two-level piece; () where it is one collective (one node, one rank
+        per node, nothing to move, or the flat ring)."""
+        phases = allreduce_phases(topology, nbytes, "hierarchical") if piece_algorithm == "hierarchical" else ()
+        return tuple(phases) if len(phases) == 3 else ()
 
     def send_piece(nbytes: int, name: str, done: Callable[[], None], piece_algorithm: str | None) -> None:
         """A commsched piece: one collective, or a two-level one through the three-phase pipeline."""
-        phases = allreduce_phases(topology, nbytes, "hierarchical") if piece_algorithm == "hierarchical" else ()
-        if len(phases) != 3:  # one node, one rank per node, nothing to move, or the flat ring
+        phases = phases_of(nbytes, piece_algorithm)
+        if not phases:
             sim.send(nbytes, name, done, extra_s=profile.per_piece_cpu_s, algorithm=piece_algorithm)
             return
         rs, ar, ag = (phase.seconds for phase in phases)
@@ -710,7 +736,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     return SimResult(strategy=model.name, step_time_s=sum(measured) / n, exposed_comm_s=exposed, comm_busy_s=net,
                      compute_s=_overlap(sim.busy, window) / n, overlap_ratio=overlap,
                      pieces_per_step=pieces_total[0] / steps, step_times_s=measured, trace=sim.trace,
-                     issue_order=issue_order)
+                     issue_order=issue_order, handoffs_per_step=handoffs[0] / steps)
 
 
 def planned_tensors(profile: Profile) -> list[PlannedTensor]:

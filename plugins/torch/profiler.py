@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, steal_share
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, handoff_from_times, steal_share
 
 __all__ = ["StepRecorder", "add_arguments", "cache_path", "load_or_profile", "machine_fingerprint",
            "profile_model", "profile_workload", "run"]
@@ -64,10 +64,13 @@ RECORDED_STEPS = 8
 #: Default cache of workload profiles.
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: Bump when what a cached profile means changes: older cache entries are then ignored
-#: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights).
-CACHE_VERSION = 3
+#: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured).
+CACHE_VERSION = 4
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
+#: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
+#: unmeasured; the scheduler keeps the issue times of its last 3 steps).
+HANDOFF_STEPS = 3
 
 
 # ----------------------------------------------------------------------------- recording
@@ -650,12 +653,16 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
     local = Profile.from_dict(r0)  # rank 0's layers, scaled to its own medians; rescaled to the bench's
     meta["local_compute_s"] = local.compute_s
     steal, meta["scheduler_cpu"] = _steal(phase.ranks, workers)
+    handoff = handoff_from_times([r["handoff"] for r in phase.ranks])
+    meta["handoff"] = dict(handoff, partition_bytes=phase.ranks[0]["handoff"]["partition_bytes"],
+                           per_rank_pieces=[sum(len(v["order"]) for v in r["handoff"]["per_step"].values())
+                                            for r in phase.ranks])
     prof = _build([layer.name for layer in local.layers], [layer.tensors for layer in local.layers],
                   local.meta["unscaled"], source=f"profile:{workload}", batch_size=batch_size,
                   forward_s=baseline["forward_s"], backward_s=baseline["backward_s"],
                   optimizer_s=baseline["optimizer_s"], contention=contention,
                   comm_contention=baseline.get("comm_contention") or 1.0, meta=meta, tied=local.tied)
-    prof = dataclasses.replace(prof, per_piece_steal_s=steal)
+    prof = dataclasses.replace(prof, per_piece_steal_s=steal, handoff_s=handoff["value"] or 0.0)
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof
 
@@ -728,6 +735,35 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
             "per_piece_s": sum(by_thread.values()) / pieces if pieces > 0 else None, "steps": SCHED_CPU_STEPS}
 
 
+def _handoff_stats(spec: dict, rank: int, workload: Any, model: nn.Module, x: Any, y: Any,
+                   progress: Any) -> dict[str, Any]:
+    """This rank's ``Scheduler.stats()`` orders and issue times over :data:`HANDOFF_STEPS` steps of
+    ``dynamic`` with one piece in flight (credit = the run's piece size), for
+    :func:`~commsched.costmodel.profile.handoff_from_times` over all ranks."""
+    from commsched.plugins.torch.bench import worker
+    from commsched.plugins.torch.bench.strategies import CommschedStrategy
+
+    piece = spec["partition_bytes"]
+    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", piece, piece, None)
+
+    def step() -> None:
+        strat.zero_grad()
+        workload.loss(strat.model(x), y).backward()
+        strat.step()
+
+    try:
+        for i in range(2 + HANDOFF_STEPS):
+            step()
+            if i >= 2:
+                progress("hand-off", i - 1, HANDOFF_STEPS)
+        strat.synchronize()
+        sched = strat.stats().get("scheduler") or {}
+    finally:
+        strat.close()
+    return {"per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
+            "partition_bytes": piece}
+
+
 def _worker_main(argv: list[str] | None = None) -> int:
     """One rank of a profile run (started by :func:`profile_workload` through the bench's runner)."""
     import torch.distributed as dist
@@ -752,6 +788,8 @@ def _worker_main(argv: list[str] | None = None) -> int:
         progress("layers", 1, 1)
         dist.barrier()
         result["sched_cpu"] = _sched_cpu_per_piece(spec, rank, wl, model, x, y, progress)
+        dist.barrier()
+        result["handoff"] = _handoff_stats(spec, rank, wl, model, x, y, progress)
         dist.barrier()
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
         import traceback
@@ -850,6 +888,10 @@ def format_profile(prof: Profile) -> str:
         rows.append(f"commsched's threads: {sched['per_piece_cpu_s'] * 1e6:.0f} us of CPU a piece; the compute pays "
                     f"{prof.per_piece_steal_s * 1e6:.0f} us a piece ({sched['ranks_on_machine']} ranks on "
                     f"{sched['cores']} cores, share {sched['share']:.2f})")
+    handoff = prof.meta.get("handoff")
+    if handoff and handoff.get("pairs"):
+        rows.append(f"hand-off with one piece in flight: the link idles {prof.handoff_s * 1e3:.2f} ms a piece "
+                    f"(mean of {handoff['pairs']}; p50 {handoff['p50'] * 1e3:.2f}, p90 {handoff['p90'] * 1e3:.2f} ms)")
     return "\n".join(rows)
 
 

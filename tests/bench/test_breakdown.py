@@ -21,6 +21,7 @@ from commsched.bench.report import (
     regime_of,
 )
 from commsched.bench.runner import PhaseResult, choose_batch_size
+from commsched.costmodel.profile import handoff_from_times
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,6 +173,14 @@ def test_issue_times_let_the_report_measure_decision_to_follower_issue():
     lead = stats[0]["issue_times"]
     waited = [i - r for t in lead.values() for i, r in zip(t["issued_at"], t["ready_at"], strict=True)]
     assert min(waited) >= 0 and max(waited) > 0.001  # held back by credit until the follower joined
+    # every piece landed after it was issued, and with one in flight before the next one was issued
+    for st in stats:
+        for times in st["issue_times"].values():
+            landed, issued = times["landed_at"], times["issued_at"]
+            assert None not in landed and all(a >= i for a, i in zip(landed, issued, strict=True))
+            assert all(a <= i for a, i in zip(landed, issued[1:], strict=False))
+    handoff = handoff_from_times(stats)
+    assert handoff["pairs"] > 0 and handoff["value"] >= 0
 
 
 # ------------------------------------------------------------------ calibration

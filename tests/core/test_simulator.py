@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.costmodel.collectives import allreduce_s
-from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, steal_share
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, handoff_from_times, steal_share
 from commsched.costmodel.simulator import SimSettings, parse_sim_strategy, simulate
 from commsched.costmodel.topology import Link, Topology
 
@@ -233,3 +233,61 @@ def test_steal_is_checked_round_trips_and_defaults_to_zero():
     assert Profile.from_dict(data).scaled(compute=2.0).per_piece_steal_s == 2.5e-4
     del data["per_piece_steal_s"]  # a profile written before the field existed
     assert Profile.from_dict(data).per_piece_steal_s == 0.0
+
+
+def test_one_piece_in_flight_pays_the_handoff_on_every_piece_that_waited_and_a_deeper_credit_none():
+    # one 8 MiB layer after backward: 8 pieces of 1 MiB wait on an idle compute lane. With one in
+    # flight each of the 7 that waited for the one before pays the hand-off on an idle link; with
+    # four in flight the next is queued behind the one on the link, so none waits.
+    h = 2e-3
+    prof, topo = profile_of([8]), flat(bandwidth=125e6)
+    one, four = SimSettings(partition_bytes=MB, credit_bytes=MB), SimSettings(partition_bytes=MB, credit_bytes=4 * MB)
+    paid = dataclasses.replace(prof, handoff_s=h)
+    base_one = simulate(prof, topo, "dynamic", one)
+    with_one = simulate(paid, topo, "dynamic", one)
+    assert base_one.handoffs_per_step == 0
+    assert with_one.handoffs_per_step == 7
+    assert with_one.step_time_s - base_one.step_time_s == pytest.approx(7 * h, rel=1e-6)
+    with_four = simulate(paid, topo, "dynamic", four)
+    assert with_four.handoffs_per_step == 0
+    assert with_four.step_time_s == pytest.approx(simulate(prof, topo, "dynamic", four).step_time_s, rel=1e-12)
+    assert with_four.step_time_s < with_one.step_time_s
+
+
+@pytest.mark.parametrize("name", ["fifo", "ddp", "horovod", "allreduce"])
+def test_the_handoff_costs_nothing_where_no_piece_waits_for_credit(name):
+    prof, topo = profile_of([0.5, 2, 4]), flat()
+    base = simulate(prof, topo, name).step_time_s
+    assert simulate(dataclasses.replace(prof, handoff_s=5e-3), topo, name).step_time_s == base
+
+
+def test_handoff_is_checked_round_trips_and_defaults_to_zero():
+    with pytest.raises(ValueError, match="handoff_s"):
+        dataclasses.replace(profile_of([1.0]), handoff_s=-1e-6)
+    data = dataclasses.replace(profile_of([1.0]), handoff_s=1.5e-3).to_dict()
+    assert Profile.from_dict(data).handoff_s == 1.5e-3
+    assert Profile.from_dict(data).scaled(compute=2.0).handoff_s == 1.5e-3
+    del data["handoff_s"]  # a profile written before the field existed
+    assert Profile.from_dict(data).handoff_s == 0.0
+
+
+def _stats(order, issued, ready, landed):
+    return {"per_step": {7: {"order": order}},
+            "issue_times": {7: {"issued_at": issued, "ready_at": ready, "landed_at": landed}}}
+
+
+def test_handoff_from_times_measures_first_landing_to_last_issue_of_pieces_that_waited():
+    # a, b, c in one step on both ranks. b was ready on both before a landed: its gap counts,
+    # from the earlier landing (10.0) to the later issue (10.004). c was ready on rank 1 only
+    # after b landed (it waited for its data): not a hand-off.
+    lead = _stats(["a", "b", "c"], [9.0, 10.002, 20.5], [8.0, 8.0, 12.0], [10.0, 20.0, 30.0])
+    follower = _stats(["a", "b", "c"], [9.1, 10.004, 20.6], [8.0, 8.5, 20.1], [10.001, 20.002, 30.0])
+    out = handoff_from_times([lead, follower])
+    assert out["pairs"] == 1
+    assert out["value"] == pytest.approx(0.004)
+    # the same stats through JSON (string step keys) on one rank only: the same pieces are found
+    assert handoff_from_times([json.loads(json.dumps(lead)), follower])["value"] == pytest.approx(0.004)
+    # pieces are found by name when a rank started them in another order; one that never landed is skipped
+    swapped = _stats(["b", "a", "c"], [10.004, 9.1, 20.6], [8.5, 8.0, 20.1], [20.002, None, 30.0])
+    assert handoff_from_times([lead, swapped])["pairs"] == 0
+    assert handoff_from_times([_stats([], [], [], [])])["value"] is None

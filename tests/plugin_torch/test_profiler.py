@@ -226,6 +226,11 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     assert all(r["pieces"] > 0 and r["cpu_s"] > 0 for r in sched["per_rank"])
     assert sched["per_piece_cpu_s"] == max(r["per_piece_s"] for r in sched["per_rank"])
     assert prof.per_piece_steal_s == pytest.approx(sched["per_piece_cpu_s"] * steal_share(2, sched["cores"]))
+    # the hand-off, from a short run with one piece in flight on every rank
+    handoff = prof.meta["handoff"]
+    assert len(handoff["per_rank_pieces"]) == 2 and min(handoff["per_rank_pieces"]) > 0
+    assert prof.handoff_s == (handoff["value"] or 0.0) and prof.handoff_s >= 0.0
+    assert (handoff["value"] is None) == (handoff["pairs"] == 0)
     cached = list(tmp_path.glob("tiny-*.json"))
     assert len(cached) == 1
     t0 = time.perf_counter()
