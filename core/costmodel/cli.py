@@ -138,7 +138,8 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
             bubble_method="simulated: time the compute lane waits on the network",
             overlap_ratio=r.overlap_ratio, efficiency=baseline["lower_bound_s"] / r.step_time_s,
             pieces_per_step=r.pieces_per_step, timeline=(timelines or {}).get(r.strategy),
-            stats={"comm_busy_s": r.comm_busy_s, "compute_s": r.compute_s}))
+            stats={"comm_busy_s": r.comm_busy_s, "compute_s": r.compute_s,
+                   "handoffs_per_step": r.handoffs_per_step}))
     meta = topology.meta
     config = {"workload": workload, "workers": topology.world_size, "nodes": topology.nodes,
               "bandwidth": meta.get("bandwidth") or meta.get("inter"),
@@ -148,7 +149,7 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
               "credit_bytes": settings.credit_bytes, "network": topology.source, "seed": None,
               "extra": {"topology": topology.to_dict(), "profile_source": profile.source,
                         "contention": profile.contention, "comm_contention": profile.comm_contention,
-                        "algorithm": settings.algorithm}}
+                        "handoff_s": profile.handoff_s, "algorithm": settings.algorithm}}
     layers = [{"name": layer.name, "bytes": layer.grad_bytes} for layer in profile.layers]
     work = {"name": workload, "description": profile.source, "param_bytes": profile.grad_bytes,
             "num_params": sum(t.numel for layer in profile.layers for t in layer.tensors), "layers": layers}

@@ -40,6 +40,21 @@ def test_simulate_writes_the_bench_schema_marked_predicted(tmp_path, capsys):
     assert by["ddp"]["speedup_vs_baseline"] == pytest.approx(1.0)
     assert by["allreduce"]["step_time_s"] >= max(by[s]["step_time_s"] for s in ("ddp", "dynamic"))
     assert "| strategy |" in capsys.readouterr().out
+    assert report["config"]["extra"]["handoff_s"] == 0.0 and by["dynamic"]["stats"]["handoffs_per_step"] == 0
+
+
+def test_simulate_reports_the_pieces_that_waited_the_profiles_handoff(tmp_path):
+    path = _profile(tmp_path)
+    data = json.loads(open(path).read())
+    data["handoff_s"] = 0.002
+    open(path, "w").write(json.dumps(data))
+    out = tmp_path / "sim.json"
+    # 1 MiB pieces under a 1 MiB credit: every piece after the first of a run of waiting ones waits
+    assert main(["simulate", "--profile", path, "--workers", "2", "--bandwidth", "1gbit", "--strategies",
+                 "fifo,dynamic", "--partition-mb", "1", "--credit-mb", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    by = {r["strategy"]: r["stats"]["handoffs_per_step"] for r in report["results"]}
+    assert report["config"]["extra"]["handoff_s"] == 0.002 and by["fifo"] == 0 and by["dynamic"] > 0
 
 
 def test_simulate_a_zoo_model_on_a_described_cluster(tmp_path):
