@@ -61,8 +61,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import functools
+import gc
 import heapq
 import json
 import math

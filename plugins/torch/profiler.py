@@ -701,6 +701,18 @@ def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 # -------------------------------------------------------------------- the worker
+def _train(strat: Any, workload: Any, x: Any, y: Any, steps: int, progress: Any = None, label: str = "") -> None:
+    """``steps`` training steps of ``strat`` on the batch, then wait for its communication; with
+    ``progress``, one report per step under ``label``."""
+    for i in range(steps):
+        strat.zero_grad()
+        workload.loss(strat.model(x), y).backward()
+        strat.step()
+        if progress is not None:
+            progress(label, i + 1, steps)
+    strat.synchronize()
+
+
 def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module, x: Any, y: Any,
                          progress: Any) -> dict[str, Any]:
     """CPU seconds of this rank's commsched threads (dispatch, completion, publish/order) per piece
@@ -712,21 +724,10 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
 
     (dynamic,) = parse_strategies("dynamic")
     strat = make_strategy(dynamic, model, worker._opt_factory(workload), run_spec=spec, rank=rank, timeline=None)
-
-    def step() -> None:
-        strat.zero_grad()
-        workload.loss(strat.model(x), y).backward()
-        strat.step()
-
     try:
-        for _ in range(2):
-            step()
-        strat.synchronize()
+        _train(strat, workload, x, y, 2)
         pieces0, cpu0 = worker._counters(strat)[0], worker.thread_cpu_s()
-        for i in range(SCHED_CPU_STEPS):
-            step()
-            progress("scheduler CPU", i + 1, SCHED_CPU_STEPS)
-        strat.synchronize()
+        _train(strat, workload, x, y, SCHED_CPU_STEPS, progress, "scheduler CPU")
         by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
         pieces = (worker._counters(strat)[0] or 0) - (pieces0 or 0)
     finally:
@@ -735,33 +736,23 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
             "per_piece_s": sum(by_thread.values()) / pieces if pieces > 0 else None, "steps": SCHED_CPU_STEPS}
 
 
-def _handoff_stats(spec: dict, rank: int, workload: Any, model: nn.Module, x: Any, y: Any,
-                   progress: Any) -> dict[str, Any]:
+def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any,
+                   piece_bytes: int) -> dict[str, Any]:
     """This rank's ``Scheduler.stats()`` orders and issue times over :data:`HANDOFF_STEPS` steps of
-    ``dynamic`` with one piece in flight (credit = the run's piece size), for
+    ``dynamic`` with one piece in flight (pieces of ``piece_bytes`` under a credit of one piece), for
     :func:`~commsched.costmodel.profile.handoff_from_times` over all ranks."""
     from commsched.plugins.torch.bench import worker
     from commsched.plugins.torch.bench.strategies import CommschedStrategy
 
-    piece = spec["partition_bytes"]
-    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", piece, piece, None)
-
-    def step() -> None:
-        strat.zero_grad()
-        workload.loss(strat.model(x), y).backward()
-        strat.step()
-
+    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", piece_bytes, piece_bytes, None)
     try:
-        for i in range(2 + HANDOFF_STEPS):
-            step()
-            if i >= 2:
-                progress("hand-off", i - 1, HANDOFF_STEPS)
-        strat.synchronize()
+        _train(strat, workload, x, y, 2)
+        _train(strat, workload, x, y, HANDOFF_STEPS, progress, "hand-off")
         sched = strat.stats().get("scheduler") or {}
     finally:
         strat.close()
     return {"per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
-            "partition_bytes": piece}
+            "partition_bytes": piece_bytes}
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
@@ -789,7 +780,7 @@ def _worker_main(argv: list[str] | None = None) -> int:
         dist.barrier()
         result["sched_cpu"] = _sched_cpu_per_piece(spec, rank, wl, model, x, y, progress)
         dist.barrier()
-        result["handoff"] = _handoff_stats(spec, rank, wl, model, x, y, progress)
+        result["handoff"] = _handoff_stats(wl, model, x, y, progress, spec["partition_bytes"])
         dist.barrier()
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
         import traceback
