@@ -4,7 +4,7 @@
 
 Two gloo ranks on the bench's emulated cluster (root: network namespaces, every link shaped to
 ``--bandwidth``). Each rank reduces one 32 MiB gradient through commsched's
-``DistributedOptimizer`` (synchronous path) in 4 MiB pieces, with a credit of one piece and of four,
+``DistributedOptimizer`` (synchronous path) in 4 MiB pieces (``--piece-mb``), with a credit of one piece and of four,
 for each ordering, while a thread of the same process keeps busy:
 
 * ``--burn large``: 256x256 matrix products (torch kernels that release the GIL for long);
@@ -29,7 +29,6 @@ import threading
 import time
 
 MIB = 1 << 20
-PIECE = 4 * MIB
 TOTAL = 32 * MIB
 ORDERINGS = ("fifo", "static", "dynamic")
 DEPTHS = (1, 4)
@@ -70,7 +69,8 @@ def _rank(rank: int, master: str, ifname: str, args: argparse.Namespace) -> None
         for depth in DEPTHS:
             torch.manual_seed(0)
             model = torch.nn.Linear(TOTAL // 4 // 4096, 4096, bias=False)  # TOTAL bytes of float32
-            config = commsched.SchedulerConfig(partition_bytes=PIECE, credit_bytes=PIECE * depth, ordering=ordering,
+            piece = int(args.piece_mb * MIB)
+            config = commsched.SchedulerConfig(partition_bytes=piece, credit_bytes=piece * depth, ordering=ordering,
                                                cross_iteration=False, timeout_s=120)
             opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, backend="torch",
                                        config=config)
@@ -91,7 +91,8 @@ def _rank(rank: int, master: str, ifname: str, args: argparse.Namespace) -> None
         burner.join()  # a thread still inside a torch kernel at exit aborts the process
     if rank == 0:
         out = {"burn": args.burn, "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
-               "bandwidth": args.bandwidth, "piece_bytes": PIECE, "total_bytes": TOTAL, "median_s": results}
+               "bandwidth": args.bandwidth, "piece_bytes": int(args.piece_mb * MIB), "total_bytes": TOTAL,
+               "median_s": results}
         print(json.dumps(out))
     dist.destroy_process_group()
 
@@ -101,6 +102,8 @@ def main() -> int:
     p.add_argument("--burn", choices=("none", "large", "small", "python"), default="python")
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in each rank, seconds")
     p.add_argument("--bandwidth", default="1gbit")
+    p.add_argument("--piece-mb", type=float, default=4.0, help="piece size in MiB (default 4; the credit is one "
+                                                                   "piece or four)")
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--port", type=int, default=29561)
     p.add_argument("--json", default=None)
@@ -132,7 +135,7 @@ def main() -> int:
         print("handoff_study: rank 0 failed", file=sys.stderr)
         return 1
     result = json.loads(out.strip().splitlines()[-1])
-    n = TOTAL // PIECE
+    n = TOTAL // int(args.piece_mb * MIB)
     for ordering in ORDERINGS:
         one, four = (result["median_s"][f"{ordering}/{d}"] for d in DEPTHS)
         print(f"{ordering:8s} one in flight {one * 1e3:7.1f} ms, four {four * 1e3:7.1f} ms: "
