@@ -568,14 +568,19 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                 dispatch(piece.task.step, landed=True)
             piece_algorithm = piece.algorithm if plan is not None else model.algorithm
             sim.steal(profile.per_piece_steal_s)
-            server = "rs" if phases_of(piece.nbytes, piece_algorithm) else "net"
-            if landed and profile.handoff_s > 0 and sim.current[server] is None and not sim.queues[server]:
+            if landed and profile.handoff_s > 0 and link_idle(piece.nbytes, piece_algorithm):
                 handoffs[0] += 1
                 sim.after(profile.handoff_s, functools.partial(send_piece, piece.nbytes, piece.name, done,
                                                                piece_algorithm))
             else:
                 send_piece(piece.nbytes, piece.name, done, piece_algorithm)
             landed = False
+
+    def link_idle(nbytes: int, piece_algorithm: str | None) -> bool:
+        """Whether the server a piece starts on (a two-level piece's reduce-scatter, else the
+        network) has nothing running and nothing queued."""
+        server = "rs" if phases_of(nbytes, piece_algorithm) else "net"
+        return sim.current[server] is None and not sim.queues[server]
 
     def phases_of(nbytes: int, piece_algorithm: str | None) -> tuple:
         """The three phases of a two-level piece; () where it is one collective (one node, one rank
