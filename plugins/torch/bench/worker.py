@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import glob
 import json
 import os
 import signal
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from commsched.bench.cpu import CpuWindow
+from commsched.timeline import rank_path
 from commsched.plugins.torch.bench.strategies import (
     StrategyUnavailable,
     make_strategy,
@@ -367,7 +367,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
     """``warmup`` + ``steps`` steps of one strategy, timed on every rank (see :class:`StepTimers`)."""
     workload, model, x, y = _setup(spec, rank)
     (sspec,) = parse_strategies(spec["strategy"])
-    timeline = spec.get("timeline") if rank == 0 else None
+    timeline = spec.get("timeline")  # every rank: the follower's trace shows its skew at a step boundary
     try:
         strat = make_strategy(sspec, model, _opt_factory(workload), run_spec=spec,
                               rank=rank, timeline=timeline)
@@ -439,9 +439,8 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         timers.close()
         strat.close()
     timeline_files = []
-    if timeline:  # the plugin may add a rank suffix: report the files it wrote
-        stem = os.path.splitext(timeline)[0]
-        timeline_files = sorted(glob.glob(glob.escape(stem) + "*.json"))
+    if timeline:  # the plugin adds a rank suffix: report the file this rank wrote
+        timeline_files = [p for p in (rank_path(timeline, rank, spec["world_size"]),) if os.path.exists(p)]
     # A step runs from its start to the next one's; the last one ends when all
     # communication has landed (a commsched step() returns before that).
     step_times = [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)]
