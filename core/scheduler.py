@@ -153,12 +153,17 @@ class Scheduler(Closeable):
         return self._state.step
 
     def submit(self, name: str, tensor: Any, priority: int = 0,
-               on_done: Callable[[Task], None] | None = None, *, ready: Any = None) -> Future:
+               on_done: Callable[[Task], None] | None = None, *, ready: Any = None,
+               on_piece: Callable[[Piece], None] | None = None) -> Future:
         """Queue ``tensor`` for an in-place reduction; returns a future of ``tensor``.
 
         ``name``: the same on every rank, unique among unfinished tasks. ``on_done(task)`` runs on
         the completion thread once every piece is reduced, before the future resolves; what it
         raises fails the future and the next call. ``ready`` becomes ``task.ready`` (:class:`Task`).
+        ``on_piece(piece)`` runs on the engine's thread as each piece lands, before that piece
+        counts as landed (so before the future resolves): a plugin that uses each reduced range
+        at once (the torch plugin's update of a range while its forward waits for the rest). It
+        must be short; what it raises fails the piece.
         """
         check_name(name)
         try:
@@ -168,7 +173,7 @@ class Scheduler(Closeable):
             raise
         with self._issue_lock:  # decided and started in one order, whichever thread issues next
             with self._lock:
-                task, batch = self._submit_locked(name, priority, on_done, ready, tensor, bounds)
+                task, batch = self._submit_locked(name, priority, on_done, ready, tensor, bounds, on_piece)
                 if batch and (self._handoff or any(p.nbytes > INLINE_MAX_BYTES for p in batch)):
                     self._handoff += batch  # after what is handed off already: the decided order
                     batch = []
@@ -177,9 +182,11 @@ class Scheduler(Closeable):
         return task.future
 
     def _submit_locked(self, name: str, priority: int, on_done: Callable[[Task], None] | None, ready: Any,
-                       tensor: Any, bounds: Any) -> tuple[Task, list[Piece]]:
+                       tensor: Any, bounds: Any,
+                       on_piece: Callable[[Piece], None] | None = None) -> tuple[Task, list[Piece]]:
         self._check_usable()
         task = self._state.submit(name, priority, on_done, ready, tensor, bounds)
+        task.on_piece = on_piece  # before any of its pieces can start (the lock is held)
         batch = self._decide_locked()
         if self._state.completed:  # a zero-size tensor is done at once
             self._complete_cv.notify()
@@ -399,6 +406,11 @@ class Scheduler(Closeable):
             return
         end = now_us()
         remote = None
+        if exc is None and piece.task.on_piece is not None and not piece.done:
+            try:
+                piece.task.on_piece(piece)
+            except BaseException as raised:  # the plugin's use of the range failed: so did the piece
+                exc = raised
         if exc is not None and self._channel is not None and self.world_size > 1:
             remote = self._channel.abort_message(grace_s=1.0)  # did another rank say why it stopped?
         with self._lock:

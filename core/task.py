@@ -45,7 +45,8 @@ class Task:
     ``ready`` is what the plugin passed to :meth:`Scheduler.submit` to say when the data
     is ready on the device (a CUDA event, say); the backend may wait on it. ``handles``
     is where a backend keeps the engine's handles of this task's pieces, for a plugin
-    that must order later work after them.
+    that must order later work after them. ``on_piece(piece)``, if set, runs on the engine's
+    thread as each piece lands, before the task can complete (:meth:`Scheduler.submit`).
     """
 
     name: str
@@ -60,6 +61,7 @@ class Task:
     handles: list = field(default_factory=list)
     pieces: list["Piece"] = field(default_factory=list)
     remaining: int = 0
+    on_piece: Optional[Callable[["Piece"], None]] = None
 
 
 @dataclass(eq=False)

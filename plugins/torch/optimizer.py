@@ -28,6 +28,7 @@ for them (then clip, inspect...), and ``step()`` runs the wrapped optimizer's ow
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -37,6 +38,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -183,7 +185,7 @@ class _ParamState:
     """Bookkeeping for one parameter."""
 
     __slots__ = ("name", "param", "group", "priority", "future", "grad", "copy_back", "passes", "hyper",
-                 "cuda", "fusion", "split")
+                 "cuda", "fusion", "split", "landed")
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: dict, priority: int) -> None:
         self.name = name
@@ -198,6 +200,9 @@ class _ParamState:
         self.cuda: Optional[CudaTask] = None  # the stream/event record of the gradient in flight (CUDA)
         self.fusion: Optional["_Fusion"] = None  # the group this gradient is reduced in, if fused with others
         self.split: Any = None  # split_tied_embeddings: the TiedSplit that adds the lookup's rows (tied.py)
+        # Ranged apply: the [start, stop) element ranges of the gradient in flight that landed (averaged),
+        # in landing order; None where the whole gradient is applied at once (see _apply_as_landed)
+        self.landed: Optional[list[tuple[int, int]]] = None
 
 
 class _Fusion:
@@ -517,6 +522,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         # state in the shared ``state``), else one per parameter.
         self._subs: dict[tuple[int, ...], torch.optim.Optimizer] = {}
         self._lean = True
+        # Ranged apply: a forward that waits for a gradient of several pieces updates each range of the
+        # parameter as its piece lands (_apply_as_landed); the pieces' callbacks notify this condition.
+        self._ranged = True
+        self._landed_cv = threading.Condition()
+        self._ranged_counts = {"updates": 0, "ranges": 0}  # gradients applied range by range; their ranges
         # Cross-iteration: the first forward pre-hook after step() also applies, in one call per param
         # group, every ended step's update whose reduction is already done (see _ready).
         self._sweep = False
@@ -973,8 +983,35 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             # the division runs on the communication stream after the last piece (cuda.py).
             ready = state.cuda = CudaTask(streams, streams.record_ready(buffer),
                                           self._divisor() if self._op == "average" else None)
+        state.landed = [] if streams is None and self._rangeable(state, buffer) else None
+        if state.landed is not None:  # each piece is averaged as it lands (_piece_landed), not the whole at the end
+            state.future = self._scheduler.submit(state.name, buffer, state.priority,
+                                                  on_piece=functools.partial(self._piece_landed, state))
+            state.future.add_done_callback(self._wake_landed)  # a failure ends a wait for the next range too
+            return
         state.future = self._scheduler.submit(state.name, buffer, state.priority, ready=ready,
                                               on_done=None if self._engine_averages else self._after_reduce)
+
+    def _rangeable(self, state: _ParamState, buffer: torch.Tensor) -> bool:
+        """Whether ``state``'s gradient may be applied range by range as its pieces land: cross-iteration,
+        a lean-apply group (element-wise updates, bitwise equal whatever the split: _lean_group), on the
+        parameter's own contiguous memory, averaged by us (not by the engine), in more than one piece."""
+        return (self._cross and self._ranged and not self._engine_averages and state.copy_back is None
+                and state.split is None and state.param.is_contiguous() and self._lean_group(state.group)
+                and len(self._scheduler.bounds(buffer.numel(), buffer.element_size(), state.name)) > 1)
+
+    def _wake_landed(self, future: Any) -> None:
+        with self._landed_cv:
+            self._landed_cv.notify_all()
+
+    def _piece_landed(self, state: _ParamState, piece: Any) -> None:
+        """The engine's thread, as each piece of a ranged gradient lands: average it, then tell a waiting forward."""
+        if self._op == "average":
+            piece.view.div_(self._divisor())
+        with self._landed_cv:
+            if state.landed is not None:
+                state.landed.append((piece.start, piece.stop))
+                self._landed_cv.notify_all()
 
     def _submit_fused(self, state: _ParamState, grad: torch.Tensor) -> None:
         """One member of a fusion group is ready; the last one copies all into the buffer and submits it."""
@@ -1081,12 +1118,17 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             return
         started = time.perf_counter()
         t0 = now_us()
+        ranged: list[_ParamState] = []
+        applying = 0.0  # of the time below, the ranged updates' (not a wait)
         for s in pending:
             if s.cuda is not None:
                 self._wait_queued(s)  # CUDA: the CPU waits only until the pieces are on the stream
+            elif where == "forward" and s.landed is not None and not s.future.done() and self._ranged_now(s):
+                applying += self._apply_as_landed(s)
+                ranged.append(s)
             else:
                 self._scheduler.wait(s.future)
-        waited = time.perf_counter() - started
+        waited = time.perf_counter() - started - applying
         self._bubble += waited
         if waited > 0 and self.timeline.enabled:
             self.timeline.span("WAIT", f"{where}: {pending[0].name}", t0, now_us())
@@ -1103,6 +1145,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             return
         batches: dict[tuple[int, int], list[_ParamState]] = {}
         for s in pending:
+            if s.future is None:  # applied range by range already
+                continue
             key = (id(s.group), id(s.hyper)) if self._lean_group(s.group) else (id(s), 0)
             batches.setdefault(key, []).append(s)
         for batch in batches.values():
@@ -1122,6 +1166,105 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 cpu or (group.get("foreach") is False and not group.get("fused")))
             self._lean_cache[id(group)] = found
         return found
+
+    def _ranged_now(self, state: _ParamState) -> bool:
+        """Whether the optimizer's state for ``state``'s parameter lets one range be updated alone: every
+        tensor in it has the parameter's shape (sliced like it) or none (a step count: each range
+        advances its own copy, the last is kept); none at all only for momentum-free SGD, which keeps
+        none (others create theirs at the first update: that one is applied whole)."""
+        full = self.optimizer.state.get(state.param)
+        if not full:
+            group = state.hyper if state.hyper is not None else state.group
+            return type(self.optimizer) is torch.optim.SGD and not group.get("momentum")
+        return all(not torch.is_tensor(v) or v.dim() == 0 or (v.shape == state.param.shape and v.is_contiguous())
+                   for v in full.values())
+
+    def _apply_as_landed(self, state: _ParamState) -> float:
+        """A forward waits for ``state``'s gradient: update each range of the parameter as its piece lands
+        (averaged by :meth:`_piece_landed`) rather than all after the last one, so only the last range's
+        update is left when the reduction ends. Bitwise equal to the update of the whole: the classes of
+        :data:`LEAN_APPLY` are element-wise. Returns the seconds spent updating. Raises the reduction's
+        error, or :class:`CommschedTimeout` after ``timeout_s``; a failed reduction may leave the ranges
+        that landed before it updated (the run stops with the error)."""
+        limit = self.config.timeout_s
+        deadline = time.monotonic() + limit
+        next_check = time.monotonic() + _ISSUE_POLL_S
+        pieces = len(self._scheduler.bounds(state.grad.numel(), state.grad.element_size(), state.name))
+        done, spent, last = 0, 0.0, None
+        while done < pieces:  # then the future resolves as soon as the completion thread gets to it
+            with self._landed_cv:
+                finished = state.future.done()  # read first: every range has landed once it is done
+                fresh = state.landed[done:]
+                if not fresh and not finished:
+                    self._landed_cv.wait(min(_ISSUE_POLL_S, max(0.0, deadline - time.monotonic())))
+                    fresh = state.landed[done:]
+            if not fresh:
+                if finished:
+                    break
+                # Woken by another gradient's piece (one condition for all), or the poll: only the poll
+                # looks for failures, since that is a store lookup across the network the pieces load.
+                now = time.monotonic()
+                if now >= next_check:
+                    self._scheduler.check()
+                    next_check = now + _ISSUE_POLL_S
+                if now >= deadline:
+                    raise CommschedTimeout(f"reducing {state.name!r}", limit, self._scheduler.pending())
+                continue
+            t = time.perf_counter()
+            for lo, hi in fresh:
+                last = self._update_range(state, lo, hi)
+            spent += time.perf_counter() - t
+            done += len(fresh)
+        self._scheduler.wait(state.future)  # the reduction's error, if it failed
+        with self._landed_cv:
+            fresh = state.landed[done:]  # none, unless the count above was not this reduction's
+        for lo, hi in fresh:
+            last = self._update_range(state, lo, hi)
+        done += len(fresh)
+        full = self.optimizer.state.get(state.param)
+        if last is not None and full:  # what each range advanced alone (a step count): once, for the parameter
+            for k, v in last.items():
+                if torch.is_tensor(v) and v.dim() == 0 and torch.is_tensor(full.get(k)):
+                    full[k].copy_(v)
+                elif not torch.is_tensor(v):
+                    full[k] = v
+        state.future = state.hyper = state.grad = state.landed = None
+        self._ranged_counts["updates"] += 1
+        self._ranged_counts["ranges"] += done
+        return spent
+
+    def _update_range(self, state: _ParamState, lo: int, hi: int) -> dict:
+        """One call of the user's optimizer class over elements ``[lo, hi)`` of ``state``'s parameter, its
+        averaged gradient and the matching slices of its optimizer state (views: updated in place);
+        returns the range's state after the call."""
+        t0 = now_us()
+        key = (-1, id(state.group))
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = self._subs[key] = type(self.optimizer)([dict(state.group)])
+        group = sub.param_groups[0]
+        for k, value in (state.hyper if state.hyper is not None else state.group).items():
+            if k != "params":
+                group[k] = value
+        view = state.param.detach().view(-1)[lo:hi]
+        full = self.optimizer.state.get(state.param, {})
+        ranged = {k: (v.view(-1)[lo:hi] if v.dim() else v.clone()) if torch.is_tensor(v) else v
+                  for k, v in full.items()}
+        sub.state = collections.defaultdict(dict)
+        sub.state[view] = ranged
+        group["params"] = [view]
+        view.grad = state.grad.view(-1)[lo:hi]
+        try:
+            sub.step()
+        finally:
+            view.grad = None
+        after = sub.state[view]
+        for k, v in full.items():  # a class that replaced a tensor rather than updating it in place
+            if torch.is_tensor(v) and v.dim() and after.get(k) is not ranged[k]:
+                v.view(-1)[lo:hi].copy_(after[k])
+        if self.timeline.enabled:
+            self.timeline.span("UPDATE", f"{state.name}[{lo}:{hi}]", t0, now_us())
+        return after
 
     def _wait_queued(self, state: _ParamState) -> None:
         """Block until every piece of ``state``'s gradient and its division are queued on the
@@ -1389,6 +1532,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             **({"slack": dict(self._slack, alpha=self.config.slack_alpha)} if self._slack else {}),
             "fusion_bytes": self.config.fusion_bytes,
             "fused": {f.name: [m.name for m in f.members] for f in self._fusions},
+            # a forward waited for these gradients and updated each range as its piece landed
+            "ranged_apply": dict(self._ranged_counts),
             # split_tied_embeddings: per tied embedding, the row exchanges done and the rows they carried
             "tied_embeddings": {s.split.name: s.split.stats() for s in self._split_states},
             "scheduler": sched,

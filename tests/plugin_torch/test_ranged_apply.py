@@ -1,0 +1,112 @@
+"""Ranged apply: a forward that waits for a gradient of several pieces updates each range of the
+parameter as its piece lands. One rank whose engine lands every piece a few milliseconds late,
+so the forward always waits; the result must be bitwise equal to the plain optimizer's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+import commsched  # noqa: E402
+from commsched.errors import CommschedError  # noqa: E402
+from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
+
+LATE_S = 0.004
+
+
+def model_of():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 6))
+
+
+def late(opt, fail_at=None):
+    """Land every piece ``LATE_S`` after the engine finished it (from a timer thread, as an engine's
+    own thread would); the ``fail_at``-th piece fails instead."""
+    start, count = opt._backend.start, [0]
+
+    def delayed(piece, done):
+        def later(exc):
+            count[0] += 1
+            if fail_at is not None and count[0] == fail_at:
+                exc = RuntimeError("the engine lost this piece")
+            threading.Timer(LATE_S, done, args=(exc,)).start()
+        start(piece, later)
+
+    opt._backend.start = delayed
+
+
+def train(cls, kwargs, ranged=True, steps=4):
+    model, ref = model_of(), model_of()
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, fusion_bytes=0, timeout_s=30)
+    opt = DistributedOptimizer(cls(model.parameters(), **kwargs), model, backend="torch", config=config)
+    opt._ranged = ranged
+    ref_opt = cls(ref.parameters(), **kwargs)
+    late(opt)
+    ranges = []
+    update_range = opt._update_range
+
+    def counted(state, lo, hi):
+        ranges.append((state.name, lo, hi))
+        return update_range(state, lo, hi)
+
+    opt._update_range = counted
+    for step in range(steps):
+        x = torch.randn(7, 48, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    opt.synchronize()
+    opt.close()
+    return [torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True)], ranges
+
+
+CASES = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+         (torch.optim.SGD, dict(lr=0.1)),
+         (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)), (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+         (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5, centered=True)), (torch.optim.Adagrad, dict(lr=0.05)),
+         (torch.optim.NAdam, dict(lr=1e-2)), (torch.optim.ASGD, dict(lr=1e-2)), (torch.optim.Rprop, dict(lr=1e-2))]
+
+
+@pytest.mark.parametrize("cls, kwargs", CASES, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(CASES)])
+@pytest.mark.parametrize("variant", ["foreach_off", "foreach_on", "fused"])
+def test_ranges_applied_as_they_land_are_bitwise_equal_to_the_whole_update(cls, kwargs, variant):
+    extra = {"foreach_off": {"foreach": False}, "foreach_on": {"foreach": True}, "fused": {"fused": True}}[variant]
+    try:
+        cls([nn.Parameter(torch.zeros(1))], **kwargs, **extra)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        pytest.skip(f"{cls.__name__} has no {variant} implementation here: {exc}")
+    equal, ranges = train(cls, {**kwargs, **extra})
+    assert all(equal), f"{cls.__name__} {variant}: {equal}"
+    # 0.weight is 1920 floats (8 pieces of 256): the forward waits for it from the second update on
+    # (the first creates the optimizer's state, so it is applied whole, except by plain SGD).
+    mine = [r for r in ranges if r[0] == "0.weight"]
+    assert mine, ranges
+    assert {(lo, hi) for _, lo, hi in mine} == {(lo, min(lo + 256, 1920)) for lo in range(0, 1920, 256)}
+
+
+def test_off_it_applies_whole_gradients_and_stays_bitwise():
+    equal, ranges = train(torch.optim.Adam, dict(lr=1e-2), ranged=False)
+    assert all(equal) and ranges == []
+
+
+def test_a_piece_that_fails_fails_the_wait_with_the_engines_error():
+    model = model_of()
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, fusion_bytes=0, timeout_s=30)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, backend="torch",
+                               config=config)
+    late(opt, fail_at=30)  # in the second step's reductions, after the first update made the state
+    x = torch.randn(7, 48, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(CommschedError, match="lost this piece"):
+        for _ in range(4):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        opt.synchronize()
+    opt.close()
