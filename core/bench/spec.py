@@ -36,6 +36,9 @@ class StrategySpec:
     #: ``<commsched strategy>+tied``: with ``split_tied_embeddings=True`` (PyTorch: a tied embedding's
     #: projection part reduced as soon as backward made it, its lookup part exchanged as rows)
     split_tied: bool = False
+    #: ``<commsched strategy>+whole``: every gradient applied whole after its last piece, never range by range
+    #: as its pieces land (PyTorch's ranged apply off): what ranged apply gains, side by side
+    whole_apply: bool = False
 
     @property
     def is_commsched(self) -> bool:
@@ -74,15 +77,15 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         name = raw.strip()
         if not name:
             continue
-        base, plus, modifier = name.partition("+")
-        if plus:
-            spec = _one(base)
-            if modifier != "tied" or not spec.is_commsched:
-                raise ValueError(f"strategy {name!r}: the one modifier is +tied, on a commsched strategy "
-                                 "(e.g. dynamic+tied: split tied embeddings)")
-            specs.append(dataclasses.replace(spec, name=name, split_tied=True))
-        else:
-            specs.append(_one(name))
+        base, *modifiers = name.split("+")
+        spec = _one(base)
+        if modifiers and (not spec.is_commsched or not set(modifiers) <= {"tied", "whole"}
+                          or len(set(modifiers)) != len(modifiers)):
+            raise ValueError(f"strategy {name!r}: the modifiers are +tied (split tied embeddings) and +whole "
+                             "(apply gradients whole, not range by range), each once, on a commsched strategy "
+                             "(e.g. dynamic+tied, dynamic:2MiB/8MiB+whole)")
+        specs.append(dataclasses.replace(spec, name=name, split_tied="tied" in modifiers,
+                                         whole_apply="whole" in modifiers))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
     if len({s.name for s in specs}) != len(specs):
@@ -111,5 +114,5 @@ def _one(name: str) -> StrategySpec:
     raise ValueError(
         f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, sync, "
         "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, slack or allreduce "
-        "(a commsched one with +tied to split tied embeddings)"
+        "(a commsched one with +tied to split tied embeddings, +whole to apply gradients whole)"
     )

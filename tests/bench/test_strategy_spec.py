@@ -98,3 +98,14 @@ def test_a_grid_point_runs_with_its_own_sizes_and_a_plain_one_with_the_runs(monk
         strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
     assert made == [("dynamic", 1 << 20, strategies.UNLIMITED_BYTES), ("dynamic", 4 << 20, 16 << 20),
                     ("static", 64 << 10, 2 << 20)]
+
+
+def test_modifiers_tied_and_whole_combine_on_commsched_strategies_only():
+    (spec,) = parse_strategies("dynamic:2MiB/8MiB+whole")
+    assert spec.whole_apply and not spec.split_tied and spec.partition_bytes == 2 << 20
+    (spec,) = parse_strategies("dynamic+tied+whole")
+    assert spec.whole_apply and spec.split_tied and spec.name == "dynamic+tied+whole"
+    assert not parse_strategies("dynamic")[0].whole_apply
+    for bad in ("ddp:4+whole", "dynamic+fast", "dynamic+whole+whole"):
+        with pytest.raises(ValueError, match=r"\+tied .* and \+whole"):
+            parse_strategies(bad)

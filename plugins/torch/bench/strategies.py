@@ -372,6 +372,14 @@ def init_horovod(spec: dict, rank: int) -> Any:
 def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                   run_spec: dict, rank: int, timeline: str | None) -> Strategy:
     """Build ``spec``'s strategy around ``model``; may raise :class:`StrategyUnavailable`."""
+    strategy = _make_strategy(spec, model, make_opt, run_spec=run_spec, rank=rank, timeline=timeline)
+    if spec.whole_apply and isinstance(strategy, CommschedStrategy):
+        strategy.optimizer._ranged = False  # +whole: no ranged apply (the bench's A/B of it; no public switch)
+    return strategy
+
+
+def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
+                   run_spec: dict, rank: int, timeline: str | None) -> Strategy:
     tied = spec.split_tied  # <commsched strategy>+tied: split tied embeddings
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
