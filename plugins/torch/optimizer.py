@@ -334,6 +334,18 @@ def _check_tuner_importable() -> None:
                          "(or pip install 'commsched[tuner]'), or choose an ordering (ordering='dynamic')")
 
 
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (disjoint) with adjacent ones joined, in order: one update call for the pieces that
+    landed together (in the engine's order they are mostly consecutive)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def size_groups(states: list[_ParamState], fusion_bytes: int) -> list[list[_ParamState]]:
     """Runs of adjacent small gradients to fuse, in the order of ``states``: each member smaller
     than ``fusion_bytes``, one dtype and device, together at most ``fusion_bytes``; runs of one
@@ -1211,14 +1223,14 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                     raise CommschedTimeout(f"reducing {state.name!r}", limit, self._scheduler.pending())
                 continue
             t = time.perf_counter()
-            for lo, hi in fresh:
+            for lo, hi in _merged(fresh):
                 last = self._update_range(state, lo, hi)
             spent += time.perf_counter() - t
             done += len(fresh)
         self._scheduler.wait(state.future)  # the reduction's error, if it failed
         with self._landed_cv:
             fresh = state.landed[done:]  # none, unless the count above was not this reduction's
-        for lo, hi in fresh:
+        for lo, hi in _merged(fresh):
             last = self._update_range(state, lo, hi)
         done += len(fresh)
         full = self.optimizer.state.get(state.param)
