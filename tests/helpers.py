@@ -25,7 +25,8 @@ import pytest
 from commsched.bench.procs import free_ports
 
 __all__ = ["TESTS", "REPO", "Finished", "assert_clean_exit", "assert_partitioned_within_credit", "commsched_threads",
-           "free_port", "free_ports", "horovod_or_skip", "horovodrun", "run_workers", "worker_env"]
+           "free_port", "free_ports", "horovod_or_skip", "horovodrun", "run_workers", "train_beside_reference",
+           "worker_env"]
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -122,6 +123,26 @@ def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, s
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+def train_beside_reference(model: Any, opt: Any, ref: Any, ref_opt: Any, batches: Sequence[Any],
+                           before_forward: Any = None) -> list[bool]:
+    """Train ``model`` with commsched's ``opt`` and ``ref`` with the plain ``ref_opt`` on the same
+    ``batches`` (loss: the output's mean square); ``before_forward()`` runs before each batch's two
+    forwards. Synchronizes and closes ``opt``; returns, per parameter, whether the two are bitwise
+    equal. (PyTorch is imported here, when called: this module stays framework-free.)"""
+    import torch
+
+    for x in batches:
+        if before_forward is not None:
+            before_forward()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    opt.synchronize()
+    opt.close()
+    return [torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
 
 
 def assert_clean_exit(finished: Sequence[Finished], bound_s: float) -> None:

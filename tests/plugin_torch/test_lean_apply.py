@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
 import commsched  # noqa: E402
+from helpers import train_beside_reference  # noqa: E402
 from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
 from commsched.plugins.torch.optimizer import LEAN_APPLY  # noqa: E402
 
@@ -39,16 +40,9 @@ def train(cls, kwargs, lean=True, fusion=0, steps=4):
         update(batch)
 
     opt._update = counted
-    for step in range(steps):
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
-        opt._scheduler.synchronize()  # every reduction done (none applied) before the forward: no race
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-    opt.synchronize()
-    opt.close()
-    return [torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True)], calls
+    batches = [torch.randn(5, 6, generator=torch.Generator().manual_seed(step)) for step in range(steps)]
+    # every reduction done (none applied) before the forward: no race
+    return train_beside_reference(model, opt, ref, ref_opt, batches, opt._scheduler.synchronize), calls
 
 
 CASES = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),

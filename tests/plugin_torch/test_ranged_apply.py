@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
 import commsched  # noqa: E402
+from helpers import train_beside_reference  # noqa: E402
 from commsched.errors import CommschedError  # noqa: E402
 from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
 
@@ -56,15 +57,8 @@ def train(cls, kwargs, ranged=True, steps=4):
         return update_range(state, lo, hi)
 
     opt._update_range = counted
-    for step in range(steps):
-        x = torch.randn(7, 48, generator=torch.Generator().manual_seed(step))
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-    opt.synchronize()
-    opt.close()
-    return [torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True)], ranges
+    batches = [torch.randn(7, 48, generator=torch.Generator().manual_seed(step)) for step in range(steps)]
+    return train_beside_reference(model, opt, ref, ref_opt, batches), ranges
 
 
 CASES = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),
