@@ -1130,14 +1130,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             return
         started = time.perf_counter()
         t0 = now_us()
-        ranged: list[_ParamState] = []
         applying = 0.0  # of the time below, the ranged updates' (not a wait)
         for s in pending:
             if s.cuda is not None:
                 self._wait_queued(s)  # CUDA: the CPU waits only until the pieces are on the stream
             elif where == "forward" and s.landed is not None and not s.future.done() and self._ranged_now(s):
-                applying += self._apply_as_landed(s)
-                ranged.append(s)
+                applying += self._apply_as_landed(s)  # and sets s.future to None: not in the batches below
             else:
                 self._scheduler.wait(s.future)
         waited = time.perf_counter() - started - applying
