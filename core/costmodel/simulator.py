@@ -107,6 +107,9 @@ class SimSettings:
     trace: bool = True  # record the Chrome trace (the planner, scoring thousands of candidates, does not)
     algorithm: str = "ring"
     slack_alpha: float = 1.0  # the ``slack`` strategy's α (commsched.costmodel.slack)
+    #: commsched's next forward updates each range of a gradient of several pieces as its piece lands
+    #: while it waits (the torch plugin's ranged apply): only the last piece's share is left after it
+    ranged_apply: bool = True
 
     def __post_init__(self) -> None:
         for name in ("partition_bytes", "credit_bytes", "ddp_bucket_bytes", "ddp_first_bucket_bytes",
@@ -247,12 +250,15 @@ class _Sim:
         self.collectives = 0
         # compute lane: (kind, label, work seconds, precondition, on_done); kind "mark" records a step
         # boundary, "fire" only calls on_done, the others occupy the lane for their work
-        self.lane: list[tuple[str, str, float, Callable[[], bool], Callable[[], None] | None]] = []
+        # (work: seconds, or a function of the seconds the lane waited for the task, called as it starts)
+        self.lane: list[tuple[str, str, Any, Callable[[], bool], Callable[[], None] | None]] = []
         self.lane_pos = 0
         self.task_left: float | None = None  # work left of the running task
         self.debt = 0.0  # scheduler CPU taken between two tasks, paid by the next one (steal)
         self.task_start = 0.0
         self.waiting_since: float | None = None
+        # how long the lane waited just before the task now starting (a step mark in between, no work)
+        self.just_waited = 0.0
         self.waits: list[tuple[float, float]] = []
         self.busy: list[tuple[float, float]] = []
         self.trace: list[dict] = []
@@ -379,6 +385,7 @@ class _Sim:
                 self.debt = 0.0  # the lane waits: the core is free for the scheduler's threads
                 return
             if self.waiting_since is not None:
+                self.just_waited = self.now - self.waiting_since
                 if self.now > self.waiting_since:
                     self.waits.append((self.waiting_since, self.now))
                     if self.record:
@@ -391,6 +398,8 @@ class _Sim:
                 self.trace.append({"name": label, "ph": "i", "s": "p", "pid": 0, "tid": 0, "ts": self.now * 1e6})
                 self.lane_pos += 1
                 continue
+            if callable(work):  # work that depends on how long the lane just waited (ranged apply)
+                work = work(self.just_waited)
             self.task_left = work
             self.task_start = self.now
             if work <= 0:
@@ -406,6 +415,8 @@ class _Sim:
             self.trace.append({"name": label, "ph": "X", "pid": 0, "tid": 0, "ts": self.task_start * 1e6,
                                "dur": (self.now - self.task_start) * 1e6, "args": {"kind": kind}})
         self.task_left = None
+        if kind not in ("overhead", "fire"):  # the step's fixed overhead does not end a wait's use
+            self.just_waited = 0.0
         self.lane_pos += 1
         if on_done is not None:
             on_done()
@@ -699,6 +710,21 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     def step_done(step: int) -> Callable[[], bool]:
         return lambda: step < 0 or step_left.get(step, 0) == 0
 
+    def apply_work(layer: Any) -> float | Callable[[float], float]:
+        """The update of ``layer`` in the next forward. Under ranged apply, the part of it that belongs
+        to gradients of several pieces (not fused) is done while the forward waits, up to the share of
+        the largest piece, which is left after the last one lands."""
+        apply_s = layer.apply_s
+        total = sum(t.nbytes for t in layer.tensors)
+        entries = [(t, task_of.get(t.name)) for t in layer.tensors]
+        ranged = [(t, e[4]) for t, e in entries if e is not None and len(e[1]) == 1 and len(e[4]) > 1]
+        if not settings.ranged_apply or not ranged or total <= 0 or apply_s <= 0:
+            return apply_s
+        share = sum(t.nbytes for t, _ in ranged) / total
+        tail = max(max(hi - lo for lo, hi in bounds) * t.element_size for t, bounds in ranged) / total
+        fixed, in_ranges, last = apply_s * (1 - share), apply_s * share, apply_s * min(tail, share)
+        return lambda waited: fixed + (max(last, in_ranges - waited) if waited > 0 else in_ranges)
+
     lane = sim.lane
     for s in range(steps):
         for li in range(n_layers):
@@ -709,7 +735,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
             lane.append(("overhead", "step overhead", profile.step_overhead_s, _always, None))
         for li, layer in enumerate(layers):
             if cross:  # the next forward applies layer i once its own gradients are reduced
-                lane.append(("apply", f"apply {layer.name}", layer.apply_s, layer_done(s - 1, li), None))
+                lane.append(("apply", f"apply {layer.name}", apply_work(layer), layer_done(s - 1, li), None))
             lane.append(("forward", f"fwd {layer.name}", layer.forward_s, _always, None))
         # backward, cut at the ready times: the gradients of a layer are handed over at its ready time
         order = sorted(range(n_layers), key=lambda i: (ready_at[i], -i))
