@@ -185,7 +185,7 @@ class _ParamState:
     """Bookkeeping for one parameter."""
 
     __slots__ = ("name", "param", "group", "priority", "future", "grad", "copy_back", "passes", "hyper",
-                 "cuda", "fusion", "split", "landed")
+                 "cuda", "fusion", "split", "landed", "pieces")
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: dict, priority: int) -> None:
         self.name = name
@@ -203,6 +203,7 @@ class _ParamState:
         # Ranged apply: the [start, stop) element ranges of the gradient in flight that landed (averaged),
         # in landing order; None where the whole gradient is applied at once (see _apply_as_landed)
         self.landed: Optional[list[tuple[int, int]]] = None
+        self.pieces = 0  # ranged apply: the pieces the gradient in flight was cut into
 
 
 class _Fusion:
@@ -995,7 +996,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             # the division runs on the communication stream after the last piece (cuda.py).
             ready = state.cuda = CudaTask(streams, streams.record_ready(buffer),
                                           self._divisor() if self._op == "average" else None)
-        state.landed = [] if streams is None and self._rangeable(state, buffer) else None
+        state.pieces = self._rangeable_pieces(state, buffer) if streams is None else 0
+        state.landed = [] if state.pieces else None
         if state.landed is not None:  # each piece is averaged as it lands (_piece_landed), not the whole at the end
             state.future = self._scheduler.submit(state.name, buffer, state.priority,
                                                   on_piece=functools.partial(self._piece_landed, state))
@@ -1004,13 +1006,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         state.future = self._scheduler.submit(state.name, buffer, state.priority, ready=ready,
                                               on_done=None if self._engine_averages else self._after_reduce)
 
-    def _rangeable(self, state: _ParamState, buffer: torch.Tensor) -> bool:
-        """Whether ``state``'s gradient may be applied range by range as its pieces land: cross-iteration,
-        a lean-apply group (element-wise updates, bitwise equal whatever the split: _lean_group), on the
-        parameter's own contiguous memory, averaged by us (not by the engine), in more than one piece."""
-        return (self._cross and self._ranged and not self._engine_averages and state.copy_back is None
-                and state.split is None and state.param.is_contiguous() and self._lean_group(state.group)
-                and len(self._scheduler.bounds(buffer.numel(), buffer.element_size(), state.name)) > 1)
+    def _rangeable_pieces(self, state: _ParamState, buffer: torch.Tensor) -> int:
+        """The number of pieces of ``state``'s gradient if it may be applied range by range as they land,
+        else 0: cross-iteration, a lean-apply group (element-wise updates, bitwise equal whatever the
+        split: _lean_group), on the parameter's own contiguous memory, averaged by us (not by the
+        engine), in more than one piece."""
+        if not (self._cross and self._ranged and not self._engine_averages and state.copy_back is None
+                and state.split is None and state.param.is_contiguous() and self._lean_group(state.group)):
+            return 0
+        pieces = len(self._scheduler.bounds(buffer.numel(), buffer.element_size(), state.name))
+        return pieces if pieces > 1 else 0
 
     def _wake_landed(self, future: Any) -> None:
         with self._landed_cv:
@@ -1199,9 +1204,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         limit = self.config.timeout_s
         deadline = time.monotonic() + limit
         next_check = time.monotonic() + _ISSUE_POLL_S
-        pieces = len(self._scheduler.bounds(state.grad.numel(), state.grad.element_size(), state.name))
         done, spent, last = 0, 0.0, None
-        while done < pieces:  # then the future resolves as soon as the completion thread gets to it
+        while done < state.pieces:  # then the future resolves as soon as the completion thread gets to it
             with self._landed_cv:
                 finished = state.future.done()  # read first: every range has landed once it is done
                 fresh = state.landed[done:]
@@ -1226,11 +1230,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             spent += time.perf_counter() - t
             done += len(fresh)
         self._scheduler.wait(state.future)  # the reduction's error, if it failed
-        with self._landed_cv:
-            fresh = state.landed[done:]  # none, unless the count above was not this reduction's
-        for lo, hi in _merged(fresh):
-            last = self._update_range(state, lo, hi)
-        done += len(fresh)
         full = self.optimizer.state.get(state.param)
         if last is not None and full:  # what each range advanced alone (a step count): once, for the parameter
             for k, v in last.items():
