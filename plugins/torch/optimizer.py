@@ -1068,6 +1068,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                         on_done=None if self._engine_averages else self._after_reduce, ready=ready)
         for s in fusion.members:
             s.future = future
+            s.landed, s.pieces = None, 0  # reduced alone last time (a partial group): not ranged now
             if s.split is not None:  # a plan that fused a split tied weight: its rows go as in _submit
                 s.split.arm()
 
@@ -1345,6 +1346,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         for s in batch:
             s.future = None
             s.hyper = None
+            s.landed, s.pieces = None, 0  # applied whole: its ranges are done with
             s.param.grad, s.grad = s.grad, None
         try:
             sub.step()

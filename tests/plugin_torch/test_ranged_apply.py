@@ -114,3 +114,50 @@ def test_adjacent_ranges_are_joined_into_one_call():
 
     assert _merged([(256, 512), (0, 256), (768, 1024)]) == [(0, 512), (768, 1024)]
     assert _merged([]) == []
+
+
+class Branchy(nn.Module):
+    """A trunk always used and a head used on even steps only: with fusion, the trunk's gradients
+    are reduced in one fused group on even steps and alone (ranged) on odd ones."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.trunk = nn.Linear(48, 40)
+        self.head = nn.Linear(40, 6)
+        self.use_head = True
+
+    def forward(self, x):
+        y = torch.tanh(self.trunk(x))
+        return self.head(y) if self.use_head else y
+
+
+def test_a_gradient_reduced_alone_then_fused_is_never_applied_from_the_earlier_ranges():
+    model, ref = Branchy(), Branchy()
+    config = commsched.SchedulerConfig(partition_bytes=1024, credit_bytes=4096, fusion_bytes=1 << 16, timeout_s=30)
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model, backend="torch", config=config)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    late(opt)
+    ranges = []
+    update_range = opt._update_range
+
+    def counted(state, lo, hi):
+        ranges.append((state.name, lo, hi, state.future.done()))
+        return update_range(state, lo, hi)
+
+    opt._update_range = counted
+    for step in range(6):
+        model.use_head = ref.use_head = step % 2 == 0
+        x = torch.randn(7, 48, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        if step % 2:  # the alone-reduced trunk is applied whole here, not in the next (fused) forward
+            opt.synchronize()
+    equal = train_beside_reference(model, opt, ref, ref_opt, [])
+    assert opt.stats()["fused"], "the trunk and head were not fused: the test needs them to be"
+    assert all(equal), equal
+    # Every gradient reduced alone was applied whole by synchronize(); a fused one is never ranged
+    # (on one rank a range applied before its reduction would still be bitwise: count them instead).
+    assert ranges == [], ranges
