@@ -116,6 +116,12 @@ class Profile:
     lookup, first in forward, and the output projection, last), which PyTorch's
     ``DistributedOptimizer(split_tied_embeddings=True)`` splits; :meth:`with_tied_split` models
     the split.
+    ``ranged``: the tensors whose update the runtime may run range by range while the next
+    forward waits for their pieces (PyTorch's ranged apply: cross-iteration, an element-wise
+    optimizer class on CPU whose state is shaped like the parameter); ``()`` none (on a GPU,
+    Horovod averaging, an optimizer that couples parameters); ``None`` not recorded: every
+    tensor (the bench workloads' SGD with momentum on CPU can). The simulator's ranged apply
+    (``SimSettings.ranged_apply``) covers only these.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -130,6 +136,7 @@ class Profile:
     per_piece_steal_s: float = 0.0
     tied: tuple[str, ...] = ()
     handoff_s: float = 0.0
+    ranged: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -156,6 +163,11 @@ class Profile:
         unknown = [n for n in self.tied if n not in tensors]
         if unknown:
             raise ValueError(f"tied={unknown} names no tensor of the profile")
+        if self.ranged is not None:
+            object.__setattr__(self, "ranged", tuple(self.ranged))
+            unknown = [n for n in self.ranged if n not in tensors]
+            if unknown:
+                raise ValueError(f"ranged={unknown} names no tensor of the profile")
 
     # ------------------------------------------------------------- derived
     @property
@@ -185,6 +197,10 @@ class Profile:
     def grad_bytes(self) -> int:
         return sum(layer.grad_bytes for layer in self.layers)
 
+    def tensor_names(self) -> list[str]:
+        """Every tensor's name, layer by layer in forward order."""
+        return [t.name for layer in self.layers for t in layer.tensors]
+
     def ready_times(self) -> list[float]:
         """For each layer (forward order), when its gradients are ready, from the start of backward."""
         out = [0.0] * len(self.layers)
@@ -212,7 +228,7 @@ class Profile:
                        per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta),
                        optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
                        comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
-                       tied=self.tied, handoff_s=self.handoff_s)
+                       tied=self.tied, handoff_s=self.handoff_s, ranged=self.ranged)
 
     def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
         """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
@@ -264,7 +280,10 @@ class Profile:
                                        apply_s=layer.apply_s * share, ready_s=ready_s))
             # the layer keeps its own readiness: the end of its backward, as before the split
             layers.append(replace(layer, tensors=rest, apply_s=layer.apply_s * (1.0 - share), ready_s=ready[i]))
-        return replace(self, layers=tuple(layers), meta=dict(self.meta, tied_split=sorted(done | set(chosen))))
+        # a split weight's gradient is two parts reduced apart: the runtime applies it whole
+        ranged = tuple(n for n in (self.ranged if self.ranged is not None else self.tensor_names()) if n not in chosen)
+        return replace(self, layers=tuple(layers), meta=dict(self.meta, tied_split=sorted(done | set(chosen))),
+                       ranged=ranged)
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -295,7 +314,8 @@ class Profile:
                        optimizer_step_s=data.get("optimizer_step_s"),
                        per_piece_steal_s=float(data.get("per_piece_steal_s", 0.0)),
                        tied=tuple(str(n) for n in data.get("tied", ())),
-                       handoff_s=float(data.get("handoff_s", 0.0)))
+                       handoff_s=float(data.get("handoff_s", 0.0)),
+                       ranged=None if data.get("ranged") is None else tuple(str(n) for n in data["ranged"]))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None

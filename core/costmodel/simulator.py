@@ -710,14 +710,18 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     def step_done(step: int) -> Callable[[], bool]:
         return lambda: step < 0 or step_left.get(step, 0) == 0
 
+    rangeable = None if profile.ranged is None else frozenset(profile.ranged)
+
     def apply_work(layer: Any) -> float | Callable[[float], float]:
         """The update of ``layer`` in the next forward. Under ranged apply, the part of it that belongs
-        to gradients of several pieces (not fused) is done while the forward waits, up to the share of
-        the largest piece, which is left after the last one lands."""
+        to gradients of several pieces (not fused; among ``profile.ranged`` where it names them) is done
+        while the forward waits, up to the share of the largest piece, which is left after the last one
+        lands."""
         apply_s = layer.apply_s
         total = sum(t.nbytes for t in layer.tensors)
         entries = [(t, task_of.get(t.name)) for t in layer.tensors]
-        ranged = [(t, e[4]) for t, e in entries if e is not None and len(e[1]) == 1 and len(e[4]) > 1]
+        ranged = [(t, e[4]) for t, e in entries if e is not None and len(e[1]) == 1 and len(e[4]) > 1
+                  and (rangeable is None or t.name in rangeable)]
         if not settings.ranged_apply or not ranged or total <= 0 or apply_s <= 0:
             return apply_s
         share = sum(t.nbytes for t, _ in ranged) / total

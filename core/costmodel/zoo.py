@@ -371,5 +371,5 @@ def zoo_profile(model: str, device: str = "h100", *, batch_size: int | None = No
         "assumptions": ("compute = FLOPs / (peak × efficiency); backward = 2 × forward; Adam apply = "
                         f"{ADAM_BYTES_PER_PARAM} B/param / memory bandwidth; tp/pp divide parameters and "
                         "compute, their own communication not modelled; no compute slowdown under comm")},
-        tied=spec.tied)
+        tied=spec.tied, ranged=None if device == "cpu" else ())  # the runtime's ranged apply is CPU-only
     return profile if shards == 1 else profile.scaled(compute=1 / shards, grad=1 / shards, source=source)

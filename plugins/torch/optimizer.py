@@ -1011,11 +1011,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         else 0: cross-iteration, a lean-apply group (element-wise updates, bitwise equal whatever the
         split: _lean_group), on the parameter's own contiguous memory, averaged by us (not by the
         engine), in more than one piece."""
-        if not (self._cross and self._ranged and not self._engine_averages and state.copy_back is None
-                and state.split is None and state.param.is_contiguous() and self._lean_group(state.group)):
+        if not self._may_range(state):
             return 0
         pieces = len(self._scheduler.bounds(buffer.numel(), buffer.element_size(), state.name))
         return pieces if pieces > 1 else 0
+
+    def _may_range(self, state: _ParamState) -> bool:
+        """Whether ``state``'s gradient may be applied range by range (given more than one piece, and an
+        optimizer state that allows it now: :meth:`_ranged_now`)."""
+        return (self._cross and self._ranged and not self._engine_averages and state.copy_back is None
+                and state.split is None and state.param.is_contiguous() and self._lean_group(state.group))
 
     def _wake_landed(self, future: Any) -> None:
         with self._landed_cv:
@@ -1563,6 +1568,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             raise ValueError("profile() needs the model: create the DistributedOptimizer with model=... "
                              "(without it there are no layers to time)")
         prof = profile_recorded(recorder, cross_iteration=self._cross, world_size=self.world_size)
+        # the tensors this training may update range by range (CPU only: CUDA divides on its stream), for the simulator
+        known = set(prof.tensor_names())
+        prof = dataclasses.replace(prof, ranged=tuple(
+            s.name for s in self._params if s.name in known and s.param.device.type == "cpu"
+            and self._may_range(s) and self._ranged_now(s)))
         if self._split_states:  # measured with the split on: its readiness is already the split's
             prof = dataclasses.replace(prof, meta=dict(prof.meta, tied_split=[s.name for s in self._split_states]))
         return prof

@@ -15,6 +15,7 @@ from commsched.costmodel.collectives import allreduce_s
 from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, handoff_from_times, steal_share
 from commsched.costmodel.simulator import SimSettings, parse_sim_strategy, simulate
 from commsched.costmodel.topology import Link, Topology
+from commsched.costmodel.zoo import zoo_profile
 
 MB = 1 << 20
 
@@ -305,3 +306,21 @@ def test_ranged_apply_leaves_only_the_last_pieces_share_of_a_waited_update_on_th
     for name, p in (("fifo", prof), ("dynamic", profile_of([0.5, 0.5], fwd=0.05, bwd=0.1, apply=0.01))):
         assert simulate(p, topo, name, SimSettings(ranged_apply=True)).step_time_s == pytest.approx(
             simulate(p, topo, name, SimSettings(ranged_apply=False)).step_time_s, rel=1e-12)
+    # The profile says which tensors the training may range (PyTorch: a lean class on CPU): a profile
+    # that names none is simulated whole, one that names a layer's gradient gains that layer's part only.
+    names = prof.tensor_names()
+
+    def step(ranged_names):
+        return simulate(dataclasses.replace(prof, ranged=ranged_names), topo, "dynamic").step_time_s
+    assert step(()) == pytest.approx(whole, rel=1e-12)
+    assert step(tuple(names)) == pytest.approx(ranged, rel=1e-12)
+    one = step(names[:1])
+    assert ranged < one < whole
+    with pytest.raises(ValueError, match=r"ranged=\['nope'\] names no tensor"):
+        dataclasses.replace(prof, ranged=("nope",))
+
+
+def test_the_zoo_ranges_updates_on_cpu_only_as_the_runtime_does():
+    # The runtime's ranged apply is CPU-only (on CUDA the division runs on the stream, after the last piece).
+    assert zoo_profile("resnet50", "h100").ranged == ()
+    assert zoo_profile("resnet50", "cpu", dtype="fp32").ranged is None

@@ -48,6 +48,8 @@ def test_the_split_makes_the_tied_weight_ready_with_the_head_and_changes_nothing
     assert split.compute_s == pytest.approx(prof.compute_s) and split.grad_bytes == prof.grad_bytes
     assert split.tied == prof.tied and split.meta["tied_split"] == ["wte.weight"]
     assert split.with_tied_split() is split  # split already (a profile measured with the split keeps its times)
+    # the split weight is reduced in two parts and applied whole: no longer among the ranged tensors
+    assert "wte.weight" not in split.ranged and set(split.ranged) == set(prof.tensor_names()) - {"wte.weight"}
 
 
 def test_a_tied_weight_that_shares_its_layer_moves_to_a_layer_of_its_own_before_it():
