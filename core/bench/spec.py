@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from commsched.config import parse_size
+from commsched.config import parse_fusion, parse_size
 from commsched.tuner import UNLIMITED_BYTES  # what ``none`` means in ``dynamic:<partition>/<credit>``
 
 #: The orderings whose piece size and credit a strategy name may set: ``dynamic:1MiB/4MiB``
@@ -39,6 +39,9 @@ class StrategySpec:
     #: ``<commsched strategy>+whole``: every gradient applied whole after its last piece, never range by range
     #: as its pieces land (PyTorch's ranged apply off): what ranged apply gains, side by side
     whole_apply: bool = False
+    #: ``<commsched strategy>+fuse=<size>``: this strategy's own ``fusion_bytes`` (runs of small gradients
+    #: fused into one task up to that size; ``0`` none); None: ``SchedulerConfig``'s default
+    fusion_bytes: int | None = None
 
     @property
     def is_commsched(self) -> bool:
@@ -79,18 +82,36 @@ def parse_strategies(text: str) -> list[StrategySpec]:
             continue
         base, *modifiers = name.split("+")
         spec = _one(base)
-        if modifiers and (not spec.is_commsched or not set(modifiers) <= {"tied", "whole"}
-                          or len(set(modifiers)) != len(modifiers)):
-            raise ValueError(f"strategy {name!r}: the modifiers are +tied (split tied embeddings) and +whole "
-                             "(apply gradients whole, not range by range), each once, on a commsched strategy "
-                             "(e.g. dynamic+tied, dynamic:2MiB/8MiB+whole)")
-        specs.append(dataclasses.replace(spec, name=name, split_tied="tied" in modifiers,
-                                         whole_apply="whole" in modifiers))
+        fusion, fuse = _fusion_modifier(name, modifiers)
+        kinds = [m.partition("=")[0] for m in modifiers]
+        if modifiers and (not spec.is_commsched or not set(kinds) <= {"tied", "whole", "fuse"}
+                          or len(set(kinds)) != len(kinds) or (fuse and spec.kind == "planned")
+                          or any(m not in ("tied", "whole") and not m.startswith("fuse=") for m in modifiers)):
+            raise ValueError(f"strategy {name!r}: the modifiers are +tied (split tied embeddings), +whole "
+                             "(apply gradients whole, not range by range) and +fuse=<size> (fuse small gradients "
+                             "up to that size; not on planned, whose plan fixes its groups), each once, on a "
+                             "commsched strategy (e.g. dynamic+tied, dynamic:2MiB/8MiB+whole, fifo+fuse=4MiB)")
+        specs.append(dataclasses.replace(spec, name=name, split_tied="tied" in kinds,
+                                         whole_apply="whole" in kinds, fusion_bytes=fusion))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"strategy listed twice in {text!r}")
     return specs
+
+
+def _fusion_modifier(name: str, modifiers: list[str]) -> tuple[int | None, bool]:
+    """The size of a ``+fuse=<size>`` modifier among ``modifiers`` (None without one), and whether there is one."""
+    fuse = [m for m in modifiers if m.partition("=")[0] == "fuse"]
+    if not fuse:
+        return None, False
+    _, eq, size = fuse[0].partition("=")
+    if not eq or not size.strip():
+        raise ValueError(f"strategy {name!r}: give the fusion size as +fuse=<size>, e.g. fifo+fuse=4MiB (0: none)")
+    try:
+        return parse_fusion(size.strip(), "+fuse"), True
+    except ValueError as exc:
+        raise ValueError(f"strategy {name!r}: {exc}") from None
 
 
 def _one(name: str) -> StrategySpec:

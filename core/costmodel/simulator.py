@@ -72,6 +72,7 @@ from typing import Any, Callable, Iterator
 from commsched.costmodel.collectives import allreduce_phases, allreduce_s
 from commsched.costmodel.profile import Profile, TensorSpec
 from commsched.costmodel.slack import slack_order
+from commsched.config import parse_fusion
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
 from commsched.plan import ORDERS, Plan, PlannedTensor, fused_name
@@ -163,19 +164,33 @@ class StrategyModel:
     priority: str = "layer"  # commsched only: layer order, or the seed's slack rule
     #: ``<commsched strategy>+tied``: the profile's tied embeddings split (:meth:`Profile.with_tied_split`)
     split_tied: bool = False
+    #: ``<commsched strategy>+fuse=<size>``: its own fusion threshold (None: ``SimSettings.fusion_bytes``)
+    fusion_bytes: int | None = None
 
 
 def parse_sim_strategy(name: str) -> StrategyModel:
     """``ddp``, ``ddp:<MB>``, ``horovod``, ``allreduce``, ``fifo``, ``dynamic``, ``static``, ``hierarchical``,
     ``planned``, ``slack``; a commsched one may end in ``+tied`` (``dynamic+tied``: the tied embedding
-    split, as ``commsched bench`` runs it)."""
-    base, plus, modifier = name.strip().partition("+")
-    if plus:
+    split) and ``+fuse=<size>`` (``fifo+fuse=4MiB``: its own fusion threshold), as ``commsched bench``
+    runs them."""
+    base, *modifiers = name.strip().split("+")
+    if modifiers:
         model = parse_sim_strategy(base)
-        if modifier != "tied" or model.kind != "commsched":
-            raise ValueError(f"strategy {name!r}: the one modifier is +tied, on a commsched strategy "
-                             "(e.g. dynamic+tied: split tied embeddings)")
-        return replace(model, name=name.strip(), split_tied=True)
+        kinds = [m.partition("=")[0] for m in modifiers]
+        if (model.kind != "commsched" or not set(kinds) <= {"tied", "fuse"} or len(set(kinds)) != len(kinds)
+                or any(m != "tied" and not m.startswith("fuse=") for m in modifiers)
+                or ("fuse" in kinds and model.ordering == "planned")):
+            raise ValueError(f"strategy {name!r}: the modifiers are +tied (split tied embeddings) and "
+                             "+fuse=<size> (its own fusion threshold; not on planned), each once, on a commsched "
+                             "strategy (e.g. dynamic+tied, fifo+fuse=4MiB)")
+        fusion = None
+        for m in modifiers:
+            if m.startswith("fuse="):
+                try:
+                    fusion = parse_fusion(m[len("fuse="):].strip(), "+fuse")
+                except ValueError as exc:
+                    raise ValueError(f"strategy {name!r}: {exc} (e.g. fifo+fuse=4MiB)") from None
+        return replace(model, name=name.strip(), split_tied="tied" in kinds, fusion_bytes=fusion)
     kind, _, arg = name.strip().partition(":")
     if kind == "ddp":
         if not arg:
@@ -479,6 +494,8 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         raise ValueError(f"plan_order={plan_order!r}: use one of {', '.join(ORDERS)}")
     settings = settings or SimSettings()
     model = parse_sim_strategy(strategy) if isinstance(strategy, str) else strategy
+    if model.fusion_bytes is not None:
+        settings = replace(settings, fusion_bytes=model.fusion_bytes)
     algorithm = model.algorithm or settings.algorithm
     world = topology.world_size
     if world < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from commsched.bench.spec import parse_strategies
@@ -106,6 +108,46 @@ def test_modifiers_tied_and_whole_combine_on_commsched_strategies_only():
     (spec,) = parse_strategies("dynamic+tied+whole")
     assert spec.whole_apply and spec.split_tied and spec.name == "dynamic+tied+whole"
     assert not parse_strategies("dynamic")[0].whole_apply
-    for bad in ("ddp:4+whole", "dynamic+fast", "dynamic+whole+whole"):
-        with pytest.raises(ValueError, match=r"\+tied .* and \+whole"):
+    for bad in ("ddp:4+whole", "dynamic+fast", "dynamic+whole+whole", "fifo+tied=1", "planned+fuse=1MiB",
+                "ddp+fuse=1MiB", "fifo+fuse=1MiB+fuse=2MiB"):
+        with pytest.raises(ValueError, match=r"\+tied .*\+whole .*\+fuse=<size>"):
             parse_strategies(bad)
+
+
+def test_fuse_sets_a_strategys_own_fusion_threshold_in_the_bench_and_the_simulator(monkeypatch):
+    pytest.importorskip("torch")
+    import commsched.plugins.torch.bench.strategies as strategies
+    from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
+    from commsched.costmodel.simulator import simulate
+    from commsched.costmodel.topology import Link, Topology
+
+    specs = parse_strategies("fifo+fuse=4MiB,dynamic:2MiB/8MiB+whole+fuse=0,sync+fuse=64KiB,dynamic")
+    assert [s.fusion_bytes for s in specs] == [4 << 20, 0, 64 << 10, None]
+    assert specs[1].whole_apply and specs[1].partition_bytes == 2 << 20
+    for bad in ("fifo+fuse", "fifo+fuse=", "fifo+fuse=lots"):
+        with pytest.raises(ValueError, match=r"fifo\+fuse"):
+            parse_strategies(bad)
+    # the torch strategy gets it as SchedulerConfig's fusion_bytes; without +fuse, the config's default
+    made = []
+
+    class Recorder:
+        def __init__(self, model, make_opt, ordering, partition, credit, timeline, **kw):
+            made.append((ordering, kw.get("fusion_bytes"), kw.get("cross_iteration", True)))
+            self.optimizer = SimpleNamespace(_ranged=True)  # +whole turns it off
+
+    monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
+    run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20}
+    for spec in specs:
+        strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
+    assert made == [("fifo", 4 << 20, True), ("dynamic", 0, True), ("fifo", 64 << 10, False), ("dynamic", None, True)]
+    # the simulator reads the same names (commsched simulate predicts what the bench runs)
+    prof = Profile(layers=tuple(LayerProfile(f"l{i}", forward_s=0.01, backward_s=0.02,
+                                             tensors=(TensorSpec(f"w{i}", 16 << 10, 4),))  # 64 KiB each
+                                for i in range(8)), per_piece_cpu_s=0.0)
+    link = Link(alpha_s=1e-4, bandwidth=125e6)
+    topo = Topology(nodes=2, ranks_per_node=1, intra=link, inter=link)
+    assert simulate(prof, topo, "fifo+fuse=0").pieces_per_step == 8
+    assert simulate(prof, topo, "fifo").pieces_per_step == 2  # the default, 256 KiB: four tensors a piece
+    assert simulate(prof, topo, "fifo+fuse=4MiB").pieces_per_step == 1
+    with pytest.raises(ValueError, match=r"\+fuse=<size>"):
+        simulate(prof, topo, "planned+fuse=1MiB")

@@ -93,8 +93,8 @@ def test_a_plan_for_the_split_profile_is_faster_than_one_for_the_plain_step_and_
 
 
 @pytest.mark.parametrize("call,needle", [
-    (lambda: parse_sim_strategy("ddp+tied"), "one modifier is +tied"),
-    (lambda: parse_sim_strategy("dynamic+fast"), "one modifier is +tied"),
+    (lambda: parse_sim_strategy("ddp+tied"), "modifiers are +tied"),
+    (lambda: parse_sim_strategy("dynamic+fast"), "modifiers are +tied"),
     (lambda: simulate(Profile(layers=lm().layers), flat(), "dynamic+tied"), "drop +tied"),
     (lambda: lm().with_tied_split(["nope"]), "nope"),
     (lambda: Profile(layers=lm().layers, tied=("nope",)), "nope"),

@@ -165,7 +165,7 @@ class CommschedStrategy(Strategy):
                  partition_bytes: int, credit_bytes: int, timeline: str | None, *,
                  plan: str | None = None, hierarchical: tuple[int, int] | None = None,
                  topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
-                 split_tied: bool = False) -> None:
+                 split_tied: bool = False, fusion_bytes: int | None = None) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -176,9 +176,10 @@ class CommschedStrategy(Strategy):
             ) from exc
         if ordering == "fifo":
             partition_bytes = credit_bytes = UNLIMITED_BYTES
+        fusion = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}  # +fuse=<size>; else the default
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
-            cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority,
+            cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority, **fusion,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config, topology=topology, split_tied_embeddings=split_tied)
@@ -381,6 +382,7 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
 def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                    run_spec: dict, rank: int, timeline: str | None) -> Strategy:
     tied = spec.split_tied  # <commsched strategy>+tied: split tied embeddings
+    fusion = spec.fusion_bytes  # <commsched strategy>+fuse=<size>: its own fusion threshold
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
     if spec.kind == "allreduce":
@@ -397,21 +399,23 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         if spec.kind == "slack":
             return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
                                      run_spec["credit_bytes"], timeline, topology=topology, priority="slack",
-                                     split_tied=tied)
+                                     split_tied=tied, fusion_bytes=fusion)
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
-                                 timeline, topology=topology, split_tied=tied)
+                                 timeline, topology=topology, split_tied=tied, fusion_bytes=fusion)
     if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
         return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
-                                 cross_iteration=False, split_tied=tied)
+                                 cross_iteration=False, split_tied=tied, fusion_bytes=fusion)
     if spec.kind == "hierarchical":
         nodes = run_spec["nodes"]
         return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
                                  run_spec["credit_bytes"], timeline,
-                                 hierarchical=(nodes, run_spec["world_size"] // nodes), split_tied=tied)
+                                 hierarchical=(nodes, run_spec["world_size"] // nodes), split_tied=tied,
+                                 fusion_bytes=fusion)
     # dynamic:<partition>/<credit> (a grid point): its own sizes; else the run's --partition-mb/--credit-mb
     partition = spec.partition_bytes if spec.partition_bytes is not None else run_spec["partition_bytes"]
     credit = spec.credit_bytes if spec.credit_bytes is not None else run_spec["credit_bytes"]
-    return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline, split_tied=tied)
+    return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline, split_tied=tied,
+                             fusion_bytes=fusion)
 
 
 def unavailable_reason(spec: StrategySpec) -> str | None:
