@@ -116,6 +116,12 @@ class Profile:
     lookup, first in forward, and the output projection, last), which PyTorch's
     ``DistributedOptimizer(split_tied_embeddings=True)`` splits; :meth:`with_tied_split` models
     the split.
+    ``per_grad_hook_s``: the training thread's own time per gradient in commsched's hook, inside
+    backward (PyTorch: a fused member's copy into its buffer; ``Scheduler.submit``'s decision and
+    launch of what fits, pieces up to ``INLINE_MAX_BYTES``): each layer's backward is that much
+    longer per tensor under a commsched strategy, and its pieces start that much later (measured
+    by ``commsched profile`` in its ``dynamic`` run; 0 where not measured, e.g. the zoo, and in
+    ``opt.profile()``, whose backward times were measured with the hooks in them).
     ``ranged``: the tensors whose update the runtime may run range by range while the next
     forward waits for their pieces (PyTorch's ranged apply: cross-iteration, an element-wise
     optimizer class on CPU whose state is shaped like the parameter); ``()`` none (on a GPU,
@@ -137,6 +143,7 @@ class Profile:
     tied: tuple[str, ...] = ()
     handoff_s: float = 0.0
     ranged: tuple[str, ...] | None = None
+    per_grad_hook_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -157,6 +164,7 @@ class Profile:
         _check_time("profile", "per_piece_cpu_s", self.per_piece_cpu_s)
         _check_time("profile", "per_piece_steal_s", self.per_piece_steal_s)
         _check_time("profile", "handoff_s", self.handoff_s)
+        _check_time("profile", "per_grad_hook_s", self.per_grad_hook_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
         object.__setattr__(self, "tied", tuple(self.tied))
@@ -228,7 +236,8 @@ class Profile:
                        per_piece_cpu_s=self.per_piece_cpu_s, meta=dict(self.meta),
                        optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
                        comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
-                       tied=self.tied, handoff_s=self.handoff_s, ranged=self.ranged)
+                       tied=self.tied, handoff_s=self.handoff_s, ranged=self.ranged,
+                       per_grad_hook_s=self.per_grad_hook_s)
 
     def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
         """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
@@ -315,7 +324,8 @@ class Profile:
                        per_piece_steal_s=float(data.get("per_piece_steal_s", 0.0)),
                        tied=tuple(str(n) for n in data.get("tied", ())),
                        handoff_s=float(data.get("handoff_s", 0.0)),
-                       ranged=None if data.get("ranged") is None else tuple(str(n) for n in data["ranged"]))
+                       ranged=None if data.get("ranged") is None else tuple(str(n) for n in data["ranged"]),
+                       per_grad_hook_s=float(data.get("per_grad_hook_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None

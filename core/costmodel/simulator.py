@@ -763,7 +763,9 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         previous = 0.0
         for li in order:
             fire = on_ready(s, li) if on_ready is not None else None
-            lane.append(("backward", f"bwd {layers[li].name}", max(0.0, ready_at[li] - previous), _always, fire))
+            hooks = profile.per_grad_hook_s * len(layers[li].tensors) if cross else 0.0  # commsched's, in Python
+            lane.append(("backward", f"bwd {layers[li].name}", max(0.0, ready_at[li] - previous) + hooks, _always,
+                         fire))
             previous = max(previous, ready_at[li])
         rest = profile.backward_s - previous
         if rest > 0:

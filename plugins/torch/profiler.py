@@ -64,8 +64,9 @@ RECORDED_STEPS = 8
 #: Default cache of workload profiles.
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: Bump when what a cached profile means changes: older cache entries are then ignored
-#: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured).
-CACHE_VERSION = 4
+#: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured;
+#: 5: ``per_grad_hook_s`` measured).
+CACHE_VERSION = 5
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
@@ -662,7 +663,9 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
                   forward_s=baseline["forward_s"], backward_s=baseline["backward_s"],
                   optimizer_s=baseline["optimizer_s"], contention=contention,
                   comm_contention=baseline.get("comm_contention") or 1.0, meta=meta, tied=local.tied)
-    prof = dataclasses.replace(prof, per_piece_steal_s=steal, handoff_s=handoff["value"] or 0.0)
+    hook = _grad_hook(phase.ranks)
+    prof = dataclasses.replace(prof, per_piece_steal_s=steal, handoff_s=handoff["value"] or 0.0,
+                               per_grad_hook_s=hook["value"], meta=dict(prof.meta, grad_hook=hook))
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof
 
@@ -679,6 +682,15 @@ def _steal(ranks: list[dict[str, Any]], workers: int) -> tuple[float, dict[str, 
                          "ranks_on_machine": workers, "share": share,
                          "how": "CPU of commsched's threads per piece in a short dynamic run (schedstat), the "
                                 "slowest rank; times steal_share(ranks on this machine, cores)"}
+
+
+def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """``per_grad_hook_s`` from the ranks' :func:`_sched_cpu_per_piece`: the slowest rank's time per
+    gradient in commsched's hook on its training thread (the slowest rank sets the step)."""
+    per = [r["sched_cpu"]["per_hook_s"] for r in ranks if (r.get("sched_cpu") or {}).get("per_hook_s")]
+    return {"value": max(per) if per else 0.0, "per_rank_s": per,
+            "how": "wall time of DistributedOptimizer._submit (the gradient hook's work: fusion copy, "
+                   "Scheduler.submit and the launches it makes) per call, in a short dynamic run, the slowest rank"}
 
 
 def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -724,16 +736,29 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
 
     (dynamic,) = parse_strategies("dynamic")
     strat = make_strategy(dynamic, model, worker._opt_factory(workload), run_spec=spec, rank=rank, timeline=None)
+    opt = strat.optimizer
+    real_hook, hooks = opt._submit, [0.0, 0]  # the gradient hook's work, on the training thread: wall s, calls
+
+    def timed_hook(state: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            real_hook(state)
+        finally:
+            hooks[0] += time.perf_counter() - t0
+            hooks[1] += 1
+    opt._submit = timed_hook  # this instance only: each parameter's hook calls self._submit
     try:
         _train(strat, workload, x, y, 2)
         pieces0, cpu0 = worker._counters(strat)[0], worker.thread_cpu_s()
+        hooks[:] = [0.0, 0]
         _train(strat, workload, x, y, SCHED_CPU_STEPS, progress, "scheduler CPU")
         by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
         pieces = (worker._counters(strat)[0] or 0) - (pieces0 or 0)
     finally:
         strat.close()
     return {"cpu_s": sum(by_thread.values()), "by_thread_s": by_thread, "pieces": pieces,
-            "per_piece_s": sum(by_thread.values()) / pieces if pieces > 0 else None, "steps": SCHED_CPU_STEPS}
+            "per_piece_s": sum(by_thread.values()) / pieces if pieces > 0 else None, "steps": SCHED_CPU_STEPS,
+            "hook_s": hooks[0], "hooks": hooks[1], "per_hook_s": hooks[0] / hooks[1] if hooks[1] else None}
 
 
 def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any,
@@ -883,6 +908,10 @@ def format_profile(prof: Profile) -> str:
     if handoff and handoff.get("pairs"):
         rows.append(f"hand-off with one piece in flight: the link idles {prof.handoff_s * 1e3:.2f} ms a piece "
                     f"(mean of {handoff['pairs']}; p50 {handoff['p50'] * 1e3:.2f}, p90 {handoff['p90'] * 1e3:.2f} ms)")
+    if prof.per_grad_hook_s:
+        tensors = sum(len(layer.tensors) for layer in prof.layers)
+        rows.append(f"commsched's gradient hook: {prof.per_grad_hook_s * 1e6:.0f} us a gradient on the training "
+                    f"thread, {prof.per_grad_hook_s * tensors * 1e3:.1f} ms a step over {tensors} gradients")
     return "\n".join(rows)
 
 

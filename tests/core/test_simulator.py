@@ -320,6 +320,21 @@ def test_ranged_apply_leaves_only_the_last_pieces_share_of_a_waited_update_on_th
         dataclasses.replace(prof, ranged=("nope",))
 
 
+def test_commsched_s_gradient_hooks_stretch_its_backward_and_not_ddp_s():
+    # Compute-bound (0.5 MB a layer at 125 MB/s beside 30 ms of compute a layer): the step is the lane's.
+    # commsched's hook runs in Python on the training thread, 1 ms per gradient: 4 layers x 1 tensor
+    # make the backward 4 ms longer. DDP's hooks are C++ inside the measured backward: unchanged.
+    prof, topo = profile_of([0.5] * 4, fwd=0.01, bwd=0.02), flat()
+    hooked = dataclasses.replace(prof, per_grad_hook_s=0.001)
+    for name in ("fifo", "dynamic"):
+        before, after = (simulate(p, topo, name).step_time_s for p in (prof, hooked))
+        assert after - before == pytest.approx(0.004, abs=1e-9)
+    assert simulate(hooked, topo, "ddp").step_time_s == simulate(prof, topo, "ddp").step_time_s
+    assert Profile.from_dict(json.loads(json.dumps(hooked.to_dict()))).per_grad_hook_s == 0.001
+    with pytest.raises(ValueError, match="per_grad_hook_s"):
+        dataclasses.replace(prof, per_grad_hook_s=-1.0)
+
+
 def test_the_zoo_ranges_updates_on_cpu_only_as_the_runtime_does():
     # The runtime's ranged apply is CPU-only (on CUDA the division runs on the stream, after the last piece).
     assert zoo_profile("resnet50", "h100").ranged == ()

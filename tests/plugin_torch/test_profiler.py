@@ -231,6 +231,9 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     assert len(handoff["per_rank_pieces"]) == 2 and min(handoff["per_rank_pieces"]) > 0
     assert prof.handoff_s == (handoff["value"] or 0.0) and prof.handoff_s >= 0.0
     assert (handoff["value"] is None) == (handoff["pairs"] == 0)
+    # the gradient hook on the training thread, timed in the same dynamic run: every gradient, every step
+    assert all(r["hooks"] == SCHED_CPU_STEPS * 4 and r["hook_s"] > 0 for r in sched["per_rank"])
+    assert prof.per_grad_hook_s == max(prof.meta["grad_hook"]["per_rank_s"]) > 0
     cached = list(tmp_path.glob("tiny-*.json"))
     assert len(cached) == 1
     t0 = time.perf_counter()
