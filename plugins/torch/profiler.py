@@ -65,8 +65,8 @@ RECORDED_STEPS = 8
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: Bump when what a cached profile means changes: older cache entries are then ignored
 #: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured;
-#: 5: ``per_grad_hook_s`` measured).
-CACHE_VERSION = 5
+#: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s).
+CACHE_VERSION = 6
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2

@@ -241,6 +241,33 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     assert time.perf_counter() - t0 < 1.0 and again.layers == prof.layers
 
 
+_STAMP_CHILD = """
+import os, sys, time, torch, torch.distributed as dist
+from commsched.plugins.torch.bench.worker import _Stamp
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+flat = torch.zeros(1 << 10)
+landed = _Stamp()
+t0 = time.perf_counter()
+work = dist.all_reduce(flat, async_op=True)
+work.get_future().add_done_callback(landed)
+time.sleep(0.3)  # the step's compute, far longer than this all-reduce
+work.wait()
+print(landed.at(timeout=1.0) - t0, time.perf_counter() - t0)
+dist.destroy_process_group()
+"""
+
+
+def test_the_baseline_stamps_an_all_reduce_that_ends_before_the_compute_at_its_own_end(tmp_path):
+    # comm_contention compares the all-reduce beside compute with it alone: read by work.wait() after
+    # the compute, an all-reduce that ended first looked as long as the compute (compute-heavy 2.2-6.2x).
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _STAMP_CHILD, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    stamped, observed = float(out[0]), float(out[1])
+    assert observed >= 0.3 and stamped < 0.15
+
+
 # ------------------------------------------------------------------ opt.profile() on 2 gloo ranks
 @pytest.mark.parametrize("cross", [True, False], ids=["cross_iteration", "synchronous"])
 def test_opt_profile_describes_the_last_steps_of_training(ranks, cross):

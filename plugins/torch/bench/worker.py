@@ -30,6 +30,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -168,12 +169,16 @@ def run_baseline(spec: dict, rank: int, progress: Progress) -> dict:
     under = []
     for _ in range(reps):
         _barrier()
+        landed = _Stamp()
         t0 = time.perf_counter()
         work = dist.all_reduce(flat, async_op=True)
+        # Its own end, stamped by the engine's thread as it completes: work.wait() after the step would
+        # only see an all-reduce that ended before the compute did end with it (comm_contention >> 1).
+        work.get_future().add_done_callback(landed)
         step(phases["under_comm"])
         t1 = time.perf_counter()
         work.wait()
-        under.append((t1 - t0, time.perf_counter() - t0))
+        under.append((t1 - t0, landed.at(timeout=1.0) - t0))
         done += 1
         progress("baseline", done, total)
     _barrier()
@@ -263,6 +268,22 @@ class StepTimers:
             h.remove()
         if self.scheduler is not None:
             self.scheduler.__dict__.pop("submit", None)
+
+
+class _Stamp:
+    """A future's done-callback that records when it ran (``time.perf_counter()``)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._t = 0.0
+
+    def __call__(self, _future: Any) -> None:
+        self._t = time.perf_counter()
+        self._event.set()
+
+    def at(self, timeout: float) -> float:
+        """The stamp; now if the callback has not run within ``timeout`` s of the wait that returned."""
+        return self._t if self._event.wait(timeout) else time.perf_counter()
 
 
 def thread_cpu_s() -> dict[tuple[str, int], float]:
