@@ -82,15 +82,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
             continue
         base, *modifiers = name.split("+")
         spec = _one(base)
-        fusion, fuse = _fusion_modifier(name, modifiers)
-        kinds = [m.partition("=")[0] for m in modifiers]
-        if modifiers and (not spec.is_commsched or not set(kinds) <= {"tied", "whole", "fuse"}
-                          or len(set(kinds)) != len(kinds) or (fuse and spec.kind == "planned")
-                          or any(m not in ("tied", "whole") and not m.startswith("fuse=") for m in modifiers)):
-            raise ValueError(f"strategy {name!r}: the modifiers are +tied (split tied embeddings), +whole "
-                             "(apply gradients whole, not range by range) and +fuse=<size> (fuse small gradients "
-                             "up to that size; not on planned, whose plan fixes its groups), each once, on a "
-                             "commsched strategy (e.g. dynamic+tied, dynamic:2MiB/8MiB+whole, fifo+fuse=4MiB)")
+        kinds, fusion = parse_modifiers(name, modifiers, commsched=spec.is_commsched, planned=spec.kind == "planned")
         specs.append(dataclasses.replace(spec, name=name, split_tied="tied" in kinds,
                                          whole_apply="whole" in kinds, fusion_bytes=fusion))
     if not specs:
@@ -100,18 +92,37 @@ def parse_strategies(text: str) -> list[StrategySpec]:
     return specs
 
 
-def _fusion_modifier(name: str, modifiers: list[str]) -> tuple[int | None, bool]:
-    """The size of a ``+fuse=<size>`` modifier among ``modifiers`` (None without one), and whether there is one."""
-    fuse = [m for m in modifiers if m.partition("=")[0] == "fuse"]
-    if not fuse:
-        return None, False
-    _, eq, size = fuse[0].partition("=")
-    if not eq or not size.strip():
-        raise ValueError(f"strategy {name!r}: give the fusion size as +fuse=<size>, e.g. fifo+fuse=4MiB (0: none)")
-    try:
-        return parse_fusion(size.strip(), "+fuse"), True
-    except ValueError as exc:
-        raise ValueError(f"strategy {name!r}: {exc}") from None
+#: The modifiers a commsched strategy's name may end in, and what each does.
+MODIFIERS = {
+    "tied": "+tied (split tied embeddings)",
+    "whole": "+whole (apply gradients whole, not range by range)",
+    "fuse": "+fuse=<size> (fuse small gradients up to that size; not on planned, whose plan fixes its groups)",
+}
+
+
+def parse_modifiers(name: str, modifiers: list[str], *, commsched: bool, planned: bool,
+                    allowed: tuple[str, ...] = tuple(MODIFIERS)) -> tuple[frozenset[str], int | None]:
+    """The ``+`` modifiers of strategy ``name`` (``modifiers``: what follows its base, split at ``+``):
+    which of ``allowed`` it has, and the size of ``+fuse=<size>`` (None without one). ``ValueError``
+    naming the strategy: a modifier not allowed, repeated, with a value where it takes none, on a
+    strategy commsched does not run, or ``+fuse`` on ``planned``. The bench and the simulator both
+    read names with it (``commsched simulate`` predicts what ``commsched bench`` runs)."""
+    kinds = [m.partition("=")[0] for m in modifiers]
+    if modifiers and (not commsched or not set(kinds) <= set(allowed) or len(set(kinds)) != len(kinds)
+                      or any(m != k and k != "fuse" for m, k in zip(modifiers, kinds, strict=True))
+                      or ("fuse" in kinds and planned)):
+        listed = [MODIFIERS[k] for k in allowed]
+        raise ValueError(f"strategy {name!r}: the modifiers are {', '.join(listed[:-1])} and {listed[-1]}, each "
+                         "once, on a commsched strategy (e.g. dynamic+tied, fifo+fuse=4MiB)")
+    fusion = None
+    for m in modifiers:
+        if m.partition("=")[0] == "fuse":
+            _, eq, size = m.partition("=")
+            try:
+                fusion = parse_fusion(size.strip() if eq else "", "+fuse")
+            except ValueError as exc:
+                raise ValueError(f"strategy {name!r}: {exc} (e.g. fifo+fuse=4MiB)") from None
+    return frozenset(kinds), fusion
 
 
 def _one(name: str) -> StrategySpec:

@@ -69,10 +69,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
+from commsched.bench.spec import parse_modifiers
 from commsched.costmodel.collectives import allreduce_phases, allreduce_s
 from commsched.costmodel.profile import Profile, TensorSpec
 from commsched.costmodel.slack import slack_order
-from commsched.config import parse_fusion
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
 from commsched.plan import ORDERS, Plan, PlannedTensor, fused_name
@@ -176,20 +176,8 @@ def parse_sim_strategy(name: str) -> StrategyModel:
     base, *modifiers = name.strip().split("+")
     if modifiers:
         model = parse_sim_strategy(base)
-        kinds = [m.partition("=")[0] for m in modifiers]
-        if (model.kind != "commsched" or not set(kinds) <= {"tied", "fuse"} or len(set(kinds)) != len(kinds)
-                or any(m != "tied" and not m.startswith("fuse=") for m in modifiers)
-                or ("fuse" in kinds and model.ordering == "planned")):
-            raise ValueError(f"strategy {name!r}: the modifiers are +tied (split tied embeddings) and "
-                             "+fuse=<size> (its own fusion threshold; not on planned), each once, on a commsched "
-                             "strategy (e.g. dynamic+tied, fifo+fuse=4MiB)")
-        fusion = None
-        for m in modifiers:
-            if m.startswith("fuse="):
-                try:
-                    fusion = parse_fusion(m[len("fuse="):].strip(), "+fuse")
-                except ValueError as exc:
-                    raise ValueError(f"strategy {name!r}: {exc} (e.g. fifo+fuse=4MiB)") from None
+        kinds, fusion = parse_modifiers(name.strip(), modifiers, commsched=model.kind == "commsched",
+                                        planned=model.ordering == "planned", allowed=("tied", "fuse"))
         return replace(model, name=name.strip(), split_tied="tied" in kinds, fusion_bytes=fusion)
     kind, _, arg = name.strip().partition(":")
     if kind == "ddp":
