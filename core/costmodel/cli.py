@@ -149,7 +149,8 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
               "credit_bytes": settings.credit_bytes, "network": topology.source, "seed": None,
               "extra": {"topology": topology.to_dict(), "profile_source": profile.source,
                         "contention": profile.contention, "comm_contention": profile.comm_contention,
-                        "handoff_s": profile.handoff_s, "algorithm": settings.algorithm}}
+                        "handoff_s": profile.handoff_s, "per_piece_link_s": profile.per_piece_link_s,
+                        "algorithm": settings.algorithm}}
     layers = [{"name": layer.name, "bytes": layer.grad_bytes} for layer in profile.layers]
     work = {"name": workload, "description": profile.source, "param_bytes": profile.grad_bytes,
             "num_params": sum(t.numel for layer in profile.layers for t in layer.tensors), "layers": layers}

@@ -327,7 +327,7 @@ def solve_order(profile: Profile, topology: Topology, groups: list[PlanGroup], w
     group_by_name = {g.name: g for g in groups}
     units = _units(_all_pieces(profile, groups), max_units)
     n = len(units)
-    cpu = profile.per_piece_cpu_s
+    cpu = profile.per_piece_cpu_s + profile.per_piece_link_s  # as the simulator charges each piece
     algos = tuple(a for a in algorithms if topology.nodes > 1 and topology.ranks_per_node > 1) or ("ring",)
     duration = [[sum(allreduce_s(topology, b, a) + cpu for _, _, b in unit) if topology.world_size > 1 else 0.0
                  for a in algos] for unit in units]

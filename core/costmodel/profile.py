@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "handoff_from_times", "load_json",
+__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "handoff_from_times",
+           "link_excess_from_times", "load_json",
            "read_json", "steal_share", "write_json"]
 
 SCHEMA = "commsched-profile/1"
@@ -120,8 +121,13 @@ class Profile:
     backward (PyTorch: a fused member's copy into its buffer; ``Scheduler.submit``'s decision and
     launch of what fits, pieces up to ``INLINE_MAX_BYTES``): each layer's backward is that much
     longer per tensor under a commsched strategy, and its pieces start that much later (measured
-    by ``commsched profile`` in its ``dynamic`` run; 0 where not measured, e.g. the zoo, and in
-    ``opt.profile()``, whose backward times were measured with the hooks in them).
+    by ``commsched profile`` in its ``dynamic`` run and by ``opt.profile()`` in the training it
+    recorded, which takes it out of the layers' backward; 0 where not measured, e.g. the zoo).
+    ``per_piece_link_s``: the time a commsched piece holds the network beyond its closed form
+    (the topology's α-β cost, times ``comm_contention``): where ranks share a machine's cores,
+    each collective's software steps wait for CPU. Measured by ``commsched profile`` in its
+    ``dynamic`` run (:func:`link_excess_from_times`) and charged only where the ranks outnumber
+    the machine's cores; 0 elsewhere and where not measured.
     ``ranged``: the tensors whose update the runtime may run range by range while the next
     forward waits for their pieces (PyTorch's ranged apply: cross-iteration, an element-wise
     optimizer class on CPU whose state is shaped like the parameter); ``()`` none (on a GPU,
@@ -144,6 +150,7 @@ class Profile:
     handoff_s: float = 0.0
     ranged: tuple[str, ...] | None = None
     per_grad_hook_s: float = 0.0
+    per_piece_link_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -165,6 +172,7 @@ class Profile:
         _check_time("profile", "per_piece_steal_s", self.per_piece_steal_s)
         _check_time("profile", "handoff_s", self.handoff_s)
         _check_time("profile", "per_grad_hook_s", self.per_grad_hook_s)
+        _check_time("profile", "per_piece_link_s", self.per_piece_link_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
         object.__setattr__(self, "tied", tuple(self.tied))
@@ -237,7 +245,7 @@ class Profile:
                        optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
                        comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
                        tied=self.tied, handoff_s=self.handoff_s, ranged=self.ranged,
-                       per_grad_hook_s=self.per_grad_hook_s)
+                       per_grad_hook_s=self.per_grad_hook_s, per_piece_link_s=self.per_piece_link_s)
 
     def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
         """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
@@ -325,7 +333,8 @@ class Profile:
                        tied=tuple(str(n) for n in data.get("tied", ())),
                        handoff_s=float(data.get("handoff_s", 0.0)),
                        ranged=None if data.get("ranged") is None else tuple(str(n) for n in data["ranged"]),
-                       per_grad_hook_s=float(data.get("per_grad_hook_s", 0.0)))
+                       per_grad_hook_s=float(data.get("per_grad_hook_s", 0.0)),
+                       per_piece_link_s=float(data.get("per_piece_link_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None
@@ -374,6 +383,55 @@ def handoff_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"value": sum(gaps) / len(gaps) if gaps else None, "pairs": len(gaps), "p50": pick(0.5),
             "p90": pick(0.9), "how": "mean over consecutive pieces, the second ready before the first landed, "
                                      "of (last rank's issue of the second - first rank's landing of the first)"}
+
+
+def link_excess_from_times(ranks: Sequence[dict[str, Any]], piece_cost: Callable[[float], float],
+                           comm_contention: float = 1.0) -> dict[str, Any]:
+    """The network time per piece beyond the model's closed form, from every rank's
+    ``Scheduler.stats()`` (``per_step`` and ``issue_times``, one clock: ranks of one machine).
+
+    Per step: a piece's collective runs from the last rank's issue to the first rank's landing
+    (found on the other ranks by name); the union of those spans is the time the network had a
+    piece of commsched's. Against it, ``piece_cost(mean piece bytes)`` × pieces × ``comm_contention``
+    (every piece as if slowed by compute beside it, so what the simulator slows is not counted
+    twice). ``value``: the median over steps of (union − that) / pieces, floored at 0; ``None``
+    without a step every rank recorded."""
+    if not ranks:
+        raise ValueError("link_excess_from_times needs the stats of at least one rank")
+    if not comm_contention >= 1.0:
+        raise ValueError(f"comm_contention={comm_contention!r} must be >= 1")
+    stats = [({str(k): v for k, v in (r.get("per_step") or {}).items()},
+              {str(k): v for k, v in (r.get("issue_times") or {}).items()}) for r in ranks]
+    steps: list[dict[str, float]] = []
+    for step, lead in stats[0][0].items():
+        if any(step not in per or step not in times for per, times in stats) or not lead.get("pieces"):
+            continue
+        slots = [{name: i for i, name in enumerate(per[step]["order"])} for per, _ in stats]
+        spans = []
+        for name in lead["order"]:
+            if any(name not in s for s in slots):
+                continue
+            ends = [times[step]["landed_at"][s[name]] for (_, times), s in zip(stats, slots, strict=True)]
+            if any(e is None for e in ends):
+                continue
+            start = max(times[step]["issued_at"][s[name]] for (_, times), s in zip(stats, slots, strict=True))
+            spans.append((start, max(start, min(ends))))
+        if not spans:
+            continue
+        busy, reach = 0.0, float("-inf")
+        for start, end in sorted(spans):
+            if end > reach:
+                busy += end - max(start, reach)
+                reach = end
+        model = len(spans) * piece_cost(lead["bytes"] / lead["pieces"]) * comm_contention
+        steps.append({"step": float(step), "pieces": float(len(spans)), "busy_s": busy, "model_s": model,
+                      "excess_per_piece_s": (busy - model) / len(spans)})
+    values = sorted(s["excess_per_piece_s"] for s in steps)
+    mid = len(values) // 2
+    median = None if not values else values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return {"value": None if median is None else max(0.0, median), "steps": steps,
+            "how": "median over steps of (union of the pieces' spans, last rank's issue to first rank's landing, "
+                   "- pieces x closed form of the mean piece x comm_contention) / pieces, floored at 0"}
 
 
 def steal_share(ranks: int, cores: int) -> float:

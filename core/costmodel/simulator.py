@@ -598,6 +598,10 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         server = "rs" if phases_of(nbytes, piece_algorithm) else "net"
         return sim.current[server] is None and not sim.queues[server]
 
+    # what a commsched piece holds the network beyond its closed form: the scheduler's CPU on its
+    # path, and the measured excess of each collective where ranks share cores (Profile fields)
+    piece_extra_s = profile.per_piece_cpu_s + profile.per_piece_link_s
+
     def phases_of(nbytes: int, piece_algorithm: str | None) -> tuple:
         """The three phases of a two-level piece; () where it is one collective (one node, one rank
         per node, nothing to move, or the flat ring)."""
@@ -608,7 +612,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         """A commsched piece: one collective, or a two-level one through the three-phase pipeline."""
         phases = phases_of(nbytes, piece_algorithm)
         if not phases:
-            sim.send(nbytes, name, done, extra_s=profile.per_piece_cpu_s, algorithm=piece_algorithm)
+            sim.send(nbytes, name, done, extra_s=piece_extra_s, algorithm=piece_algorithm)
             return
         rs, ar, ag = (phase.seconds for phase in phases)
 
@@ -618,7 +622,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         def reduced_inter() -> None:
             sim.send(nbytes, f"{name} inter all-reduce", gathered, server="ar", seconds=ar)
         sim.send(nbytes, f"{name} reduce-scatter", reduced_inter, server="rs", seconds=rs,
-                 extra_s=profile.per_piece_cpu_s)
+                 extra_s=piece_extra_s)
 
     def submit(step: int, name: str, tensors: list[str], numel: int, element_size: int,
                bounds: list[tuple[int, int]], algorithm_of: Callable[[str], str] | None) -> None:

@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.costmodel.collectives import allreduce_s
-from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, handoff_from_times, steal_share
+from commsched.costmodel.profile import (
+    LayerProfile,
+    Profile,
+    TensorSpec,
+    handoff_from_times,
+    link_excess_from_times,
+    steal_share,
+)
 from commsched.costmodel.simulator import SimSettings, parse_sim_strategy, simulate
 from commsched.costmodel.topology import Link, Topology
 from commsched.costmodel.zoo import zoo_profile
@@ -292,6 +299,45 @@ def test_handoff_from_times_measures_first_landing_to_last_issue_of_pieces_that_
     swapped = _stats(["b", "a", "c"], [10.004, 9.1, 20.6], [8.5, 8.0, 20.1], [20.002, None, 30.0])
     assert handoff_from_times([lead, swapped])["pairs"] == 0
     assert handoff_from_times([_stats([], [], [], [])])["value"] is None
+
+
+def _link_stats(order, issued, landed, nbytes):
+    out = _stats(order, issued, issued, landed)
+    out["per_step"][7].update(pieces=len(order), bytes=nbytes)
+    return out
+
+
+def test_link_excess_from_times_is_the_union_of_the_collectives_spans_beyond_the_closed_form():
+    # a runs from the follower's issue (0.5) to the lead's landing (2.0), b from 0.7 to 3.0: the
+    # network had a piece from 0.5 to 3.0, 2.5 s. The closed form: 2 pieces x 1.0 s (1000 B each).
+    lead = _link_stats(["a", "b"], [0.0, 0.6], [2.0, 3.0], 2000)
+    follower = _link_stats(["b", "a"], [0.7, 0.5], [3.2, 2.1], 2000)  # found by name, in its own order
+    cost = lambda nbytes: nbytes / 1000  # noqa: E731
+    out = link_excess_from_times([lead, follower], cost)
+    assert out["value"] == pytest.approx(0.25) and out["steps"][0]["busy_s"] == pytest.approx(2.5)
+    # what the simulator slows by comm_contention is not counted again; never below 0
+    assert link_excess_from_times([lead, follower], cost, 1.1)["value"] == pytest.approx((2.5 - 2.2) / 2)
+    assert link_excess_from_times([lead, follower], cost, 1.5)["value"] == 0.0
+    # through JSON (string step keys); a piece that never landed is left out of both sides
+    unlanded = _link_stats(["a", "b"], [0.5, 0.7], [2.1, None], 2000)
+    assert link_excess_from_times([json.loads(json.dumps(lead)), unlanded], cost)["value"] == pytest.approx(
+        (2.0 - 0.5) - 1.0)
+    assert link_excess_from_times([_stats([], [], [], [])], cost)["value"] is None
+    with pytest.raises(ValueError, match="comm_contention"):
+        link_excess_from_times([lead], cost, 0.5)
+
+
+def test_the_link_excess_holds_the_network_for_every_commsched_piece_and_no_ddp_bucket():
+    prof, topo = profile_of([8, 8]), flat()  # comm-bound: 16 pieces of 1 MiB under dynamic
+    slow = dataclasses.replace(prof, per_piece_link_s=0.01)
+    ddp = [simulate(p, topo, "ddp").step_time_s for p in (prof, slow)]
+    assert ddp[0] == ddp[1]
+    before, after = (simulate(p, topo, "dynamic").step_time_s for p in (prof, slow))
+    assert after - before == pytest.approx(16 * 0.01, rel=0.05)
+    data = slow.to_dict()
+    assert Profile.from_dict(data).scaled(compute=2.0).per_piece_link_s == 0.01
+    del data["per_piece_link_s"]  # a profile written before the field existed
+    assert Profile.from_dict(data).per_piece_link_s == 0.0
 
 
 def test_ranged_apply_leaves_only_the_last_pieces_share_of_a_waited_update_on_the_lane():
