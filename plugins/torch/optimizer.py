@@ -903,6 +903,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     def _install_hooks(self) -> None:
         for state in self._params:
             self._hooks.append(state.param.register_post_accumulate_grad_hook(self._make_grad_hook(state)))
+        self._recorder: StepRecorder | None = None  # with a model (below): profile()'s timings
         if self.model is None:  # no forward hooks: the synchronous path waits in step()
             return
         owned: set[int] = set()
@@ -943,7 +944,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             if state.passes < self.backward_passes_per_step:
                 return
             state.passes = 0
-            self._submit(state)
+            recorder = self._recorder
+            if recorder is None:
+                self._submit(state)
+                return
+            t0 = time.perf_counter()  # profile(): the hook's own time, which the cost model charges apart
+            try:
+                self._submit(state)
+            finally:
+                recorder.hooked(param, time.perf_counter() - t0)
         return hook
 
     def _fuse_small(self) -> None:

@@ -52,7 +52,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, handoff_from_times, steal_share
+from commsched.costmodel.profile import (
+    LayerProfile,
+    Profile,
+    TensorSpec,
+    handoff_from_times,
+    link_excess_from_times,
+    steal_share,
+)
 
 __all__ = ["StepRecorder", "add_arguments", "cache_path", "load_or_profile", "machine_fingerprint",
            "profile_model", "profile_workload", "run"]
@@ -65,8 +72,9 @@ RECORDED_STEPS = 8
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: Bump when what a cached profile means changes: older cache entries are then ignored
 #: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured;
-#: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s).
-CACHE_VERSION = 6
+#: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s;
+#: 7: ``per_piece_link_s`` measured).
+CACHE_VERSION = 7
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
@@ -89,6 +97,8 @@ class _Pass:
     apply_whole_s: float | None = None                         # the wrapped optimizer's own step()
     step_wait_s: float = 0.0                                   # waits in step() (synchronous path)
     backward_end: float | None = None                          # loss.backward() returned (when known)
+    hook: dict[int, float] = field(default_factory=dict)       # layer -> seconds in commsched's gradient hooks
+    hooks: int = 0                                             # gradient hooks timed in this pass
     end: float | None = None                                   # the next pass's start
 
 
@@ -208,6 +218,15 @@ class StepRecorder:
                 cur.ready[index] = time.perf_counter()
         return hook
 
+    def hooked(self, param: torch.Tensor, seconds: float) -> None:
+        """DistributedOptimizer's gradient hook for ``param`` took ``seconds`` of the training thread
+        (``profile()`` takes it out of the layer's backward: the cost model charges it apart)."""
+        cur = self._current
+        index = self._layer_of_param.get(id(param))
+        if cur is not None and index is not None:
+            cur.hook[index] = cur.hook.get(index, 0.0) + seconds
+            cur.hooks += 1
+
     def _step_pre(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
         self._step_t0 = time.perf_counter()
         self.mark(step_wait_s=self._waited())
@@ -274,6 +293,8 @@ class _Cut:
     step_wait: float
     apply_whole: float | None
     passes: int
+    hooks: float = 0.0                # commsched's gradient hooks a pass, taken out of the backward
+    per_hook: float | None = None     # their time per gradient (None: none timed)
 
 
 def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
@@ -284,6 +305,8 @@ def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
     rdy: list[list[float]] = [[] for _ in range(n)]
     wt: list[list[float]] = [[] for _ in range(n)]
     pre, ftot, btot, stot, swait, whole = [], [], [], [], [], []
+    hook_total: list[float] = []
+    per_hook: list[float] = []
     used = 0
     for p in passes:
         end_f = getattr(p, forward_end)
@@ -296,14 +319,23 @@ def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
             wt[i].append(p.waited.get(i, 0.0))
         pre.append(p.layer_in[0] - p.start)
         ftot.append(end_f - p.start)
+        # commsched's gradient hooks ran on this thread before each ready stamp: take each out of its
+        # layer's backward and every later ready time (in the order the gradients came)
+        ready, hooked = {}, 0.0
+        for i in sorted(p.ready, key=p.ready.__getitem__):
+            hooked += p.hook.get(i, 0.0)
+            ready[i] = p.ready[i] - p.backward_start - hooked
         later = 0.0
         for i in range(n - 1, -1, -1):
-            r = p.ready[i] - p.backward_start if i in p.ready else later
+            r = ready.get(i, later)
             rdy[i].append(max(r, later))
             bwd[i].append(max(0.0, r - later))
             later = max(later, r)
         b_end = getattr(p, backward_end) if backward_end else None
-        btot.append((b_end - p.backward_start) if b_end is not None else later)
+        btot.append((b_end - p.backward_start - hooked) if b_end is not None else later)
+        hook_total.append(hooked)
+        if p.hooks:
+            per_hook.append(hooked / p.hooks)
         if p.end is not None:
             stot.append(p.end - p.start)
         swait.append(p.step_wait_s)
@@ -314,7 +346,8 @@ def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
                          "backward); run a few training steps first")
     return _Cut([_median(v) for v in fwd], [_median(v) for v in bwd], [_median(v) for v in rdy],
                 [_median(v) for v in wt], _median(pre), _median(ftot), _median(btot), _median(stot),
-                _median(swait), _median(whole) if whole else None, used)
+                _median(swait), _median(whole) if whole else None, used, _median(hook_total),
+                _median(per_hook) if per_hook else None)
 
 
 def _scale(values: list[float], target: float, rest: float = 0.0) -> tuple[list[float], float]:
@@ -509,7 +542,9 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
         whole = cut.apply_whole or 0.0
         apply = [whole * s / max(1, sum(sizes)) for s in sizes]
     bubble = sum(cut.waited) + cut.step_wait
-    rest = cut.step_total - sum(cut.forward) - sum(cut.backward) - sum(apply) - bubble
+    # the hooks are out of the backward (_cut) and not overhead either: the simulator adds them back
+    # per gradient under commsched's strategies, and DDP's hook is its own (in C++)
+    rest = cut.step_total - sum(cut.forward) - sum(cut.backward) - sum(apply) - bubble - cut.hooks
     out = []
     for i, (name, names) in enumerate(layers):
         out.append(LayerProfile(name=name, forward_s=cut.forward[i], backward_s=cut.backward[i], apply_s=apply[i],
@@ -518,10 +553,14 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
         "cross_iteration": cross_iteration, "world_size": world_size, "measured_steps": cut.passes,
         "step_s": cut.step_total, "bubble_s": bubble, "wait_per_layer_s": cut.waited,
         "optimizer_step_s": whole, "orphans": recorder.orphans(),
+        "grad_hook": {"value": cut.per_hook or 0.0, "per_step_s": cut.hooks,
+                      "how": "wall time of DistributedOptimizer's gradient hook (median of the passes' mean per "
+                             "gradient); taken out of each layer's backward and ready times"},
         "note": "times measured during training, under its communication: contention is included in them",
     }
     return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=1.0,
                    step_overhead_s=max(0.0, rest), optimizer_step_s=whole, meta=meta,
+                   per_grad_hook_s=cut.per_hook or 0.0,
                    tied=tied_tensor_names(recorder.model, list(params.items())))
 
 
@@ -664,17 +703,24 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
                   optimizer_s=baseline["optimizer_s"], contention=contention,
                   comm_contention=baseline.get("comm_contention") or 1.0, meta=meta, tied=local.tied)
     hook = _grad_hook(phase.ranks)
+    link = _link_excess(phase.ranks, workers, nodes, bandwidth, intra_bandwidth, network, prof.comm_contention)
     prof = dataclasses.replace(prof, per_piece_steal_s=steal, handoff_s=handoff["value"] or 0.0,
-                               per_grad_hook_s=hook["value"], meta=dict(prof.meta, grad_hook=hook))
+                               per_grad_hook_s=hook["value"], per_piece_link_s=link["value"] or 0.0,
+                               meta=dict(prof.meta, grad_hook=hook, link_excess=link))
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof
+
+
+def _cores() -> int:
+    """The cores this process (and the emulated cluster's ranks, all on this machine) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _steal(ranks: list[dict[str, Any]], workers: int) -> tuple[float, dict[str, Any]]:
     """``per_piece_steal_s`` from the ranks' :func:`_sched_cpu_per_piece`: the largest CPU per piece
     (the slowest rank sets the step) × :func:`~commsched.costmodel.profile.steal_share` of the
     emulated cluster, whose ranks all run on this machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     per_piece = [r["sched_cpu"]["per_piece_s"] for r in ranks if (r.get("sched_cpu") or {}).get("per_piece_s")]
     cpu = max(per_piece) if per_piece else 0.0
     share = steal_share(workers, cores)
@@ -682,6 +728,27 @@ def _steal(ranks: list[dict[str, Any]], workers: int) -> tuple[float, dict[str, 
                          "ranks_on_machine": workers, "share": share,
                          "how": "CPU of commsched's threads per piece in a short dynamic run (schedstat), the "
                                 "slowest rank; times steal_share(ranks on this machine, cores)"}
+
+
+def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, bandwidth: str | None,
+                 intra_bandwidth: str | None, network: str, comm_contention: float) -> dict[str, Any]:
+    """``per_piece_link_s`` from the ranks' :func:`_sched_cpu_per_piece` steps: the network time per
+    piece beyond the closed form of the topology the simulator uses for these flags
+    (:func:`~commsched.costmodel.profile.link_excess_from_times`). Charged (``value``) only where
+    the ranks outnumber the machine's cores, so a collective's every ring step waits for a core
+    whether the model computes or not; with a core per rank the excess shows only beside compute,
+    which ``comm_contention`` prices (docs/simulator.md), and is kept in ``measured`` alone."""
+    from commsched.costmodel.collectives import allreduce_s
+    from commsched.costmodel.topology import Topology
+
+    topology = Topology.emulated(workers, nodes, "none" if network == "loopback" or not bandwidth else bandwidth,
+                                 intra_bandwidth)
+    stats = [r.get("sched_cpu") or {} for r in ranks]
+    out = link_excess_from_times(stats, lambda nbytes: allreduce_s(topology, nbytes), comm_contention)
+    cores = _cores()
+    charged = workers > cores
+    return dict(out, measured=out["value"], value=out["value"] if charged else None, charged=charged,
+                ranks_on_machine=workers, cores=cores, topology=topology.to_dict())
 
 
 def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -754,9 +821,11 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
         _train(strat, workload, x, y, SCHED_CPU_STEPS, progress, "scheduler CPU")
         by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
         pieces = (worker._counters(strat)[0] or 0) - (pieces0 or 0)
+        sched = strat.stats().get("scheduler") or {}  # the last steps' pieces: the link's excess per piece
     finally:
         strat.close()
     return {"cpu_s": sum(by_thread.values()), "by_thread_s": by_thread, "pieces": pieces,
+            "per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
             "per_piece_s": sum(by_thread.values()) / pieces if pieces > 0 else None, "steps": SCHED_CPU_STEPS,
             "hook_s": hooks[0], "hooks": hooks[1], "per_hook_s": hooks[0] / hooks[1] if hooks[1] else None}
 

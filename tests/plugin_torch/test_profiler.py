@@ -27,6 +27,9 @@ BWD_SLEEP = 0.08
 #: other test runs a woken thread waited up to ~40 ms. Medians over 5 steps, and the
 #: sleeps are longer than that, so misattributing one (or scaling by a wrong factor) fails.
 SLACK = 0.045
+#: opt.profile()'s runs slow commsched's gradient hook by this much a gradient: more than SLACK, so a
+#: hook left in the sleepy layer's backward (or five of them in the step's overhead) fails.
+HOOK_SLEEP = 0.05
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -200,6 +203,22 @@ def test_the_steal_is_the_slowest_rank_s_scheduler_cpu_per_piece_times_the_machi
     assert _steal([{}], 2)[0] == 0.0  # nothing measured: no steal
 
 
+def test_commsched_s_gradient_hooks_are_taken_out_of_the_backward_where_they_ran():
+    from commsched.plugins.torch.profiler import _cut, _Pass
+
+    def one(hooked: bool) -> _Pass:  # layer 1's gradient came at 0.5 s, layer 0's at 0.9 s
+        return _Pass(start=0.0, layer_in={0: 0.0, 1: 0.1}, layer_out={0: 0.0, 1: 0.1}, forward_end=0.2,
+                     backward_start=0.3, ready={1: 0.5, 0: 0.9}, end=1.0,
+                     **({"hook": {1: 0.05, 0: 0.1}, "hooks": 3} if hooked else {}))
+    plain = _cut([one(False)], 2)
+    assert plain.backward == pytest.approx([0.4, 0.2]) and plain.hooks == 0 and plain.per_hook is None
+    cut = _cut([one(True)], 2)
+    # layer 1 ran 0.05 s of hooks before its stamp; layer 0 those and its own 0.1 s before its own
+    assert cut.backward == pytest.approx([0.3, 0.15]) and cut.ready == pytest.approx([0.45, 0.15])
+    assert cut.backward_total == pytest.approx(0.45)
+    assert cut.hooks == pytest.approx(0.15) and cut.per_hook == pytest.approx(0.05)
+
+
 def test_bad_flags_are_refused_naming_the_flag_before_anything_runs(capsys):
     from commsched.cli import main
     with pytest.raises(SystemExit) as exc:
@@ -234,6 +253,11 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     # the gradient hook on the training thread, timed in the same dynamic run: every gradient, every step
     assert all(r["hooks"] == SCHED_CPU_STEPS * 4 and r["hook_s"] > 0 for r in sched["per_rank"])
     assert prof.per_grad_hook_s == max(prof.meta["grad_hook"]["per_rank_s"]) > 0
+    # the network's time per piece beyond the closed form, from the same run's last steps on both ranks
+    link = prof.meta["link_excess"]
+    assert link["steps"] and all(s["pieces"] > 0 and s["busy_s"] > 0 for s in link["steps"])
+    assert prof.per_piece_link_s == (link["value"] or 0.0) >= 0.0
+    assert link["charged"] == (2 > link["cores"]) and (link["charged"] or prof.per_piece_link_s == 0.0)
     cached = list(tmp_path.glob("tiny-*.json"))
     assert len(cached) == 1
     t0 = time.perf_counter()
@@ -284,7 +308,11 @@ def test_opt_profile_describes_the_last_steps_of_training(ranks, cross):
         assert all(layer.apply_s > 0 for layer in prof.layers)
         assert prof.meta["cross_iteration"] is cross and prof.meta["world_size"] == 2
         assert 3 <= prof.meta["measured_steps"] <= 8
-        assert prof.meta["step_s"] >= 0.05 + BWD_SLEEP and prof.step_overhead_s >= 0
+        assert prof.meta["step_s"] >= 0.05 + BWD_SLEEP + 5 * HOOK_SLEEP and prof.step_overhead_s >= 0
+        # the hook's own time is its own field, out of the layers' backward and out of the overhead
+        assert HOOK_SLEEP - 0.002 <= prof.per_grad_hook_s <= HOOK_SLEEP + SLACK
+        assert prof.meta["grad_hook"]["per_step_s"] >= 5 * (HOOK_SLEEP - 0.002)
+        assert prof.step_overhead_s < 2 * HOOK_SLEEP
         # SGD with momentum on CPU is updated range by range cross-iteration; the synchronous path never is
         assert prof.ranged == (tuple(result["names"]) if cross else ())
 
@@ -306,6 +334,12 @@ def _rank_main() -> None:
     x, y = _batch()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
                                SchedulerConfig(cross_iteration=bool(args.cross)))
+    submit = opt._submit
+
+    def slow_hook(state):  # each parameter's gradient hook calls self._submit
+        time.sleep(HOOK_SLEEP)
+        submit(state)
+    opt._submit = slow_hook
     with opt:
         for _ in range(10):
             opt.zero_grad()
