@@ -12,14 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.costmodel.collectives import allreduce_s
-from commsched.costmodel.profile import (
-    LayerProfile,
-    Profile,
-    TensorSpec,
-    handoff_from_times,
-    link_excess_from_times,
-    steal_share,
-)
+from commsched.costmodel import profile as profile_module
+from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec, handoff_from_times, steal_share
 from commsched.costmodel.simulator import SimSettings, parse_sim_strategy, simulate
 from commsched.costmodel.topology import Link, Topology
 from commsched.costmodel.zoo import zoo_profile
@@ -308,23 +302,24 @@ def _link_stats(order, issued, landed, nbytes):
 
 
 def test_link_excess_from_times_is_the_union_of_the_collectives_spans_beyond_the_closed_form():
+    link_excess = profile_module.link_excess_from_times
     # a runs from the follower's issue (0.5) to the lead's landing (2.0), b from 0.7 to 3.0: the
     # network had a piece from 0.5 to 3.0, 2.5 s. The closed form: 2 pieces x 1.0 s (1000 B each).
     lead = _link_stats(["a", "b"], [0.0, 0.6], [2.0, 3.0], 2000)
     follower = _link_stats(["b", "a"], [0.7, 0.5], [3.2, 2.1], 2000)  # found by name, in its own order
     cost = lambda nbytes: nbytes / 1000  # noqa: E731
-    out = link_excess_from_times([lead, follower], cost)
+    out = link_excess([lead, follower], cost)
     assert out["value"] == pytest.approx(0.25) and out["steps"][0]["busy_s"] == pytest.approx(2.5)
     # what the simulator slows by comm_contention is not counted again; never below 0
-    assert link_excess_from_times([lead, follower], cost, 1.1)["value"] == pytest.approx((2.5 - 2.2) / 2)
-    assert link_excess_from_times([lead, follower], cost, 1.5)["value"] == 0.0
+    assert link_excess([lead, follower], cost, 1.1)["value"] == pytest.approx((2.5 - 2.2) / 2)
+    assert link_excess([lead, follower], cost, 1.5)["value"] == 0.0
     # through JSON (string step keys); a piece that never landed is left out of both sides
     unlanded = _link_stats(["a", "b"], [0.5, 0.7], [2.1, None], 2000)
-    assert link_excess_from_times([json.loads(json.dumps(lead)), unlanded], cost)["value"] == pytest.approx(
+    assert link_excess([json.loads(json.dumps(lead)), unlanded], cost)["value"] == pytest.approx(
         (2.0 - 0.5) - 1.0)
-    assert link_excess_from_times([_stats([], [], [], [])], cost)["value"] is None
+    assert link_excess([_stats([], [], [], [])], cost)["value"] is None
     with pytest.raises(ValueError, match="comm_contention"):
-        link_excess_from_times([lead], cost, 0.5)
+        link_excess([lead], cost, 0.5)
 
 
 def test_the_link_excess_holds_the_network_for_every_commsched_piece_and_no_ddp_bucket():
