@@ -152,6 +152,7 @@ class StepRecorder:
             self.handles.append(optimizer.register_step_pre_hook(self._step_pre))
             self.handles.append(optimizer.register_step_post_hook(self._step_post))
         self._step_t0 = 0.0
+        self.hook_s, self.hooks = 0.0, 0  # DistributedOptimizer's gradient hooks so far: wall seconds, calls
 
     # hooks -----------------------------------------------------------------
     def _root_pre(self, _module: nn.Module, _args: Any) -> None:
@@ -220,7 +221,10 @@ class StepRecorder:
 
     def hooked(self, param: torch.Tensor, seconds: float) -> None:
         """DistributedOptimizer's gradient hook for ``param`` took ``seconds`` of the training thread
-        (``profile()`` takes it out of the layer's backward: the cost model charges it apart)."""
+        (``profile()`` takes it out of the layer's backward: the cost model charges it apart;
+        ``hook_s`` and ``hooks`` count every one, recorded pass or not)."""
+        self.hook_s += seconds
+        self.hooks += 1
         cur = self._current
         index = self._layer_of_param.get(id(param))
         if cur is not None and index is not None:
@@ -803,24 +807,15 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
 
     (dynamic,) = parse_strategies("dynamic")
     strat = make_strategy(dynamic, model, worker._opt_factory(workload), run_spec=spec, rank=rank, timeline=None)
-    opt = strat.optimizer
-    real_hook, hooks = opt._submit, [0.0, 0]  # the gradient hook's work, on the training thread: wall s, calls
-
-    def timed_hook(state: Any) -> None:
-        t0 = time.perf_counter()
-        try:
-            real_hook(state)
-        finally:
-            hooks[0] += time.perf_counter() - t0
-            hooks[1] += 1
-    opt._submit = timed_hook  # this instance only: each parameter's hook calls self._submit
+    recorder = strat.optimizer._recorder  # it times the gradient hook's work on the training thread
     try:
         _train(strat, workload, x, y, 2)
         pieces0, cpu0 = worker._counters(strat)[0], worker.thread_cpu_s()
-        hooks[:] = [0.0, 0]
+        hooks0 = (recorder.hook_s, recorder.hooks)
         _train(strat, workload, x, y, SCHED_CPU_STEPS, progress, "scheduler CPU")
         by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
         pieces = (worker._counters(strat)[0] or 0) - (pieces0 or 0)
+        hooks = (recorder.hook_s - hooks0[0], recorder.hooks - hooks0[1])
         sched = strat.stats().get("scheduler") or {}  # the last steps' pieces: the link's excess per piece
     finally:
         strat.close()
