@@ -234,7 +234,7 @@ class TorchBackend:
         two_level = self._hierarchical
         if two_level is not None and not two_level.flat and (
                 self._every_piece_hierarchical or getattr(piece, "algorithm", "ring") == "hierarchical"):
-            two_level.start(view, done, piece.name)
+            two_level.start(view, done, piece.name, getattr(piece.task, "step", None))
             return
         work = dist.all_reduce(view, group=self.group, async_op=True)
 

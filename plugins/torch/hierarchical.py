@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 
+#: the three phases, in pipeline order (the keys of :meth:`HierarchicalAllReduce.phase_stats`)
+PHASES = ("reduce_scatter", "all_reduce", "all_gather")
+#: pieces per phase whose times are kept (a ring: the most recent ones)
+SPANS_KEPT = 4096
+
 
 def _reduce_scatter(out: torch.Tensor, src: torch.Tensor, group: Any) -> Any:
     fn = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
@@ -68,24 +73,28 @@ def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> Any:
 
 
 class _Job:
-    __slots__ = ("view", "done", "name", "shard", "padded")
+    __slots__ = ("view", "done", "name", "step", "shard", "padded", "handed_at")
 
-    def __init__(self, view: torch.Tensor, done: Callable[[Optional[BaseException]], None], name: str) -> None:
-        self.view, self.done, self.name = view, done, name
+    def __init__(self, view: torch.Tensor, done: Callable[[Optional[BaseException]], None], name: str,
+                 step: Optional[int]) -> None:
+        self.view, self.done, self.name, self.step = view, done, name, step
         self.shard: Optional[torch.Tensor] = None
         self.padded: Optional[torch.Tensor] = None
+        self.handed_at = time.time()  # when the current phase was handed the piece
 
 
 class _Flight:
     """One piece in flight in one phase: its collective, and its outcome once known."""
 
-    __slots__ = ("job", "deadline", "work", "finished", "error")
+    __slots__ = ("job", "deadline", "work", "finished", "error", "issued_at", "landed_at")
 
-    def __init__(self, job: _Job, deadline: float, work: Any) -> None:
+    def __init__(self, job: _Job, deadline: float, work: Any, issued_at: float) -> None:
         self.job, self.deadline = job, deadline
         self.work = work  # None once a completion callback will report the outcome
         self.finished = False
         self.error: Optional[BaseException] = None
+        self.issued_at = issued_at  # time.time(), the clock of Scheduler.stats()["issue_times"]
+        self.landed_at: Optional[float] = None
 
 
 class HierarchicalAllReduce:
@@ -114,6 +123,8 @@ class HierarchicalAllReduce:
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
         #: the most pieces one phase had in flight at once (how far the pipeline overlapped)
         self.max_in_flight = 0
+        # per phase, the most recent pieces' (name, handed, issued, landed) on this rank (time.time())
+        self._spans: list[collections.deque] = [collections.deque(maxlen=SPANS_KEPT) for _ in PHASES]
         self.flat = nodes == 1 or ranks_per_node == 1
         self._groups: list[Any] = []
         self._threads: list[threading.Thread] = []
@@ -145,16 +156,18 @@ class HierarchicalAllReduce:
             self._threads.append(thread)
             thread.start()
 
-    def start(self, view: torch.Tensor, done: Callable[[Optional[BaseException]], None], name: str = "") -> None:
+    def start(self, view: torch.Tensor, done: Callable[[Optional[BaseException]], None], name: str = "",
+              step: Optional[int] = None) -> None:
         """Begin the two-level sum of ``view`` (flat, contiguous), in place; ``done(None|exc)`` later,
-        from a pipeline thread. Pieces must be started in the same order on every rank."""
+        from a pipeline thread. Pieces must be started in the same order on every rank. ``step``
+        (the training step the piece belongs to) only labels its times (:meth:`phase_stats`)."""
         if self.flat:
             raise CommschedError("HierarchicalAllReduce.start on a flat topology: use the plain all-reduce")
         if self._closed:
             raise CommschedError("the hierarchical all-reduce is closed; create a new DistributedOptimizer")
         if not view.is_contiguous():
             raise ValueError(f"piece {name!r}: the hierarchical all-reduce needs a contiguous flat view")
-        self._queues[0].put(_Job(view, done, name))
+        self._queues[0].put(_Job(view, done, name, step))
 
     # ------------------------------------------------------------ phases
     def _issue_reduce_scatter(self, job: _Job) -> Any:
@@ -209,11 +222,12 @@ class HierarchicalAllReduce:
         while True:
             # hand on what finished first: that frees room in flight for the waiting pieces
             while flight and flight[0].finished:
-                self._hand_on(flight.popleft(), outbox, after, title)
+                self._hand_on(index, flight.popleft(), outbox, after, title)
             while waiting and len(flight) < self.depth:
                 job = waiting.popleft()
                 try:
-                    entry = _Flight(job, time.monotonic() + limit, issue(job))
+                    issued_at = time.time()
+                    entry = _Flight(job, time.monotonic() + limit, issue(job), issued_at)
                     try:
                         future = entry.work.get_future()
                     except RuntimeError:  # "not implemented": waited for below
@@ -236,6 +250,7 @@ class HierarchicalAllReduce:
                     head.work.wait(datetime.timedelta(seconds=max(0.0, head.deadline - time.monotonic())))
                 except BaseException as exc:
                     head.error = exc
+                head.landed_at = time.time()
                 head.finished = True
                 while True:
                     try:
@@ -261,12 +276,15 @@ class HierarchicalAllReduce:
             fut.value()
         except BaseException as exc:
             entry.error = exc
+        entry.landed_at = time.time()
         entry.finished = True
         inbox.put(entry)
 
-    def _hand_on(self, entry: _Flight, outbox: Optional["queue.Queue"], after: Optional[Callable[[_Job], None]],
-                 title: str) -> None:
+    def _hand_on(self, index: int, entry: _Flight, outbox: Optional["queue.Queue"],
+                 after: Optional[Callable[[_Job], None]], title: str) -> None:
         job = entry.job
+        if entry.error is None and entry.landed_at is not None:
+            self._spans[index].append((job.name, job.step, job.handed_at, entry.issued_at, entry.landed_at))
         if entry.error is not None:
             job.done(CommschedError(f"the {title} of piece {job.name!r} (hierarchical all-reduce, rank "
                                     f"{self.rank}) failed: {entry.error}"))
@@ -278,9 +296,46 @@ class HierarchicalAllReduce:
             job.done(exc)
             return
         if outbox is not None:
+            job.handed_at = time.time()
             outbox.put(job)
         else:
             job.done(None)
+
+    def phase_times(self) -> dict[str, list[tuple[str, Optional[int], float, float, float]]]:
+        """Per phase (:data:`PHASES`), the most recent pieces (up to :data:`SPANS_KEPT`) as
+        ``(name, step, handed_at, issued_at, landed_at)`` on this rank, ``time.time()`` seconds:
+        handed to the phase, issued to the engine, landed (its completion seen)."""
+        return {phase: list(spans) for phase, spans in zip(PHASES, self._spans, strict=True)}
+
+    def phase_stats(self, last_steps: int = 3) -> dict[str, Any]:
+        """Where a two-level piece's time goes on this rank, per phase (:data:`PHASES`) over the
+        pieces kept (:meth:`phase_times`): ``pieces``; ``mean_s``, issue to landing; ``queued_s``,
+        the mean wait between being handed to the phase and its issue (the phase's pieces in
+        flight, or a core). ``per_step``: for the ``last_steps`` most recent labelled steps, per
+        phase ``busy_s`` (the union of its pieces' issue-to-landing spans: how long the phase's link
+        had a piece) and ``window_s`` (first issue to last landing); a phase whose ``busy_s`` nears
+        the step's window is the pipeline's bottleneck."""
+        out: dict[str, Any] = {"depth": self.depth, "max_in_flight": self.max_in_flight, "per_step": {}}
+        kept = [list(spans) for spans in self._spans]
+        for phase, spans in zip(PHASES, kept, strict=True):
+            n = len(spans)
+            out[phase] = {"pieces": n,
+                          "mean_s": sum(e - i for *_, i, e in spans) / n if n else None,
+                          "queued_s": sum(i - h for *_, h, i, _ in spans) / n if n else None}
+        steps = sorted({s[1] for spans in kept for s in spans if s[1] is not None})[-max(0, last_steps):]
+        for step in steps if last_steps > 0 else ():
+            row: dict[str, Any] = {}
+            for phase, spans in zip(PHASES, kept, strict=True):
+                mine = sorted((i, e) for _, st, _, i, e in spans if st == step)
+                busy, reach = 0.0, float("-inf")
+                for start, end in mine:
+                    if end > reach:
+                        busy += end - max(start, reach)
+                        reach = end
+                row[phase] = {"pieces": len(mine), "busy_s": busy,
+                              "window_s": (max(e for _, e in mine) - mine[0][0]) if mine else 0.0}
+            out["per_step"][str(step)] = row
+        return out
 
     def close(self) -> None:
         """Stop the pipeline (pieces still queued are finished first, each wait bounded by the

@@ -1528,7 +1528,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         With ``ordering="auto"`` (or ``"planned"`` without a plan) ``ordering`` is the one in use
         now, ``requested_ordering`` the config's, the scheduler's ``per_step`` is numbered by
         optimizer step, and ``tuner`` has every decision taken (``switches``, on every rank) and,
-        on rank 0 of ``auto``, the tuner's phase, incumbent and sample history."""
+        on rank 0 of ``auto``, the tuner's phase, incumbent and sample history. Where pieces run the
+        two-level all-reduce (a plan's ``hierarchical`` pieces on torch.distributed), ``hierarchical``
+        has its three phases' times on this rank
+        (:meth:`commsched.plugins.torch.hierarchical.HierarchicalAllReduce.phase_stats`)."""
         sched = self._scheduler.stats()
         if self._sched_base_step:
             sched["per_step"] = {k + self._sched_base_step: v for k, v in sched["per_step"].items()}
@@ -1544,6 +1547,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                       settings={k: self.config.__dict__[k] for k in (
                                           "ordering", "partition_bytes", "credit_bytes", "fusion_bytes",
                                           "cross_iteration")})}
+        two_level = getattr(self._backend, "hierarchical", None)
+        two_level = two_level if two_level is not None and not getattr(two_level, "flat", True) else None
         return {
             "steps": self._steps,
             "bubble_s": list(self._bubbles),
@@ -1562,6 +1567,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             # split_tied_embeddings: per tied embedding, the row exchanges done and the rows they carried
             "tied_embeddings": {s.split.name: s.split.stats() for s in self._split_states},
             "scheduler": sched,
+            # the two-level all-reduce's phases on this rank (where its pieces' time goes)
+            **({"hierarchical": two_level.phase_stats()} if two_level is not None else {}),
             **({"plan": {"digest": self.plan.digest, "groups": len(self.plan.groups), "pieces": len(self.plan.pieces),
                          "fused_groups": len(self._fusions), "credit_bytes": self.plan.credit_bytes,
                          "nodes": self.plan.nodes, "ranks_per_node": self.plan.ranks_per_node,

@@ -48,10 +48,12 @@ if args.skip_on_rank < 0:
     tensors = [torch.arange(n, dtype=torch.float32) % 97 + rank * 1000 for n in sizes]
     expected = [torch.arange(n, dtype=torch.float32) % 97 * world + 1000 * sum(range(world)) for n in sizes]
     for i, t in enumerate(tensors):
-        hier.start(t, done_for(f"p{i}", len(sizes)), f"p{i}")
+        hier.start(t, done_for(f"p{i}", len(sizes)), f"p{i}", step=i // 20)  # two labelled steps
     result["finished"] = finished.wait(120)
     result["in_order"] = done_order == [f"p{i}" for i in range(len(sizes))]
     result["exact"] = all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
+    result["phases"] = hier.phase_stats()
+    result["times"] = hier.phase_times()
 else:
     if rank != args.skip_on_rank:
         hier.start(torch.ones(1000), done_for("late", 1), "late")

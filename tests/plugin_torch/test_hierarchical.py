@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from commsched.plugins.torch.hierarchical import PHASES
+
 WORKER = Path(__file__).resolve().parent / "hier_worker.py"
 
 
@@ -19,6 +21,21 @@ def test_forty_pieces_started_at_once_are_exact_finish_in_issue_order_and_overla
         # pieces handed to a phase while another is in flight are issued at once (depth 2)
         assert r["max_in_flight"] == 2, r["max_in_flight"]
         assert r["threads_after_close"] == []
+        # every phase timed every piece, in order: handed <= issued <= landed, and a phase is
+        # handed a piece only once the phase before it saw the piece land
+        phases = r["phases"]
+        assert [phases[p]["pieces"] for p in PHASES] == [40, 40, 40], phases
+        times = {p: {name: (step, handed, issued, landed) for name, step, handed, issued, landed in r["times"][p]}
+                 for p in PHASES}
+        for name, (step, handed, issued, landed) in times["reduce_scatter"].items():
+            assert step == int(name[1:]) // 20
+            assert handed <= issued <= landed
+            for before, after in zip(PHASES, PHASES[1:], strict=False):
+                assert times[before][name][3] <= times[after][name][1] <= times[after][name][2] <= times[after][name][3]
+        assert sorted(phases["per_step"]) == ["0", "1"]
+        for row in phases["per_step"].values():
+            for p in PHASES:
+                assert row[p]["pieces"] == 20 and 0 < row[p]["busy_s"] <= row[p]["window_s"] + 1e-9, row
 
 
 @pytest.mark.timeout(120)
