@@ -599,7 +599,12 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         return sim.current[server] is None and not sim.queues[server]
 
     # what a commsched piece holds the network beyond its closed form: the scheduler's CPU on its
-    # path, and the measured excess of each collective where ranks share cores (Profile fields)
+    # path, and the measured excess of each collective where ranks share cores (Profile fields).
+    # A two-level piece pays the CPU as it enters its pipeline (the reduce-scatter) and the excess
+    # on the slow link's phase (the inter-node all-reduce): charged on the intra-node phase, which
+    # the pipeline hides behind the inter-node one, the excess would never delay a piece (measured
+    # on 2 nodes x 2 ranks, balanced: the inter-node phase was busy the whole pieces' window, and
+    # 18-23 ms a piece against its closed form's 15.4; docs/simulator.md)
     piece_extra_s = profile.per_piece_cpu_s + profile.per_piece_link_s
 
     def phases_of(nbytes: int, piece_algorithm: str | None) -> tuple:
@@ -620,9 +625,10 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
             sim.send(nbytes, f"{name} all-gather", done, server="ag", seconds=ag)
 
         def reduced_inter() -> None:
-            sim.send(nbytes, f"{name} inter all-reduce", gathered, server="ar", seconds=ar)
+            sim.send(nbytes, f"{name} inter all-reduce", gathered, server="ar", seconds=ar,
+                     extra_s=profile.per_piece_link_s)
         sim.send(nbytes, f"{name} reduce-scatter", reduced_inter, server="rs", seconds=rs,
-                 extra_s=piece_extra_s)
+                 extra_s=profile.per_piece_cpu_s)
 
     def submit(step: int, name: str, tensors: list[str], numel: int, element_size: int,
                bounds: list[tuple[int, int]], algorithm_of: Callable[[str], str] | None) -> None:

@@ -335,6 +335,20 @@ def test_the_link_excess_holds_the_network_for_every_commsched_piece_and_no_ddp_
     assert Profile.from_dict(data).per_piece_link_s == 0.0
 
 
+def test_a_two_level_piece_pays_the_link_excess_on_its_inter_node_phase_the_pipelines_bottleneck():
+    # 2 nodes x 2 ranks, a slow inter-node link and a fast intra one: the inter-node all-reduce
+    # is the three-phase pipeline's bottleneck, so the excess held there delays every piece
+    # (on the intra-node reduce-scatter it would hide behind the inter-node phase)
+    topo = Topology(nodes=2, ranks_per_node=2, intra=Link(0.0, 10e9), inter=Link(0.0, 125e6))
+    prof = profile_of([8, 8])
+    slow = dataclasses.replace(prof, per_piece_link_s=0.01)
+    before, after = (simulate(p, topo, "hierarchical").step_time_s for p in (prof, slow))
+    assert after - before == pytest.approx(16 * 0.01, rel=0.1)
+    # the scheduler's CPU a piece is paid as the piece enters the pipeline, hidden the same way
+    busy = dataclasses.replace(prof, per_piece_cpu_s=0.001)
+    assert simulate(busy, topo, "hierarchical").step_time_s - before < 16 * 0.001 / 2
+
+
 def test_ranged_apply_leaves_only_the_last_pieces_share_of_a_waited_update_on_the_lane():
     # Comm-bound (16 MiB at 125 MB/s against 60 ms of compute): the next forward waits for both
     # layers, whose 8 MiB gradients come in 8 pieces of 1 MiB. Whole, each update (10 ms) runs
