@@ -59,14 +59,18 @@ from typing import Any, Callable, Optional, Protocol
 from commsched.errors import CommschedError, CommschedTimeout
 from commsched.progress import Progress
 
-__all__ = ["AgreedSwitch", "Decision", "PLANNED", "SearchSpace", "Settings", "Tuner", "UNLIMITED_BYTES",
-           "OptunaSampler", "Sampler", "ModelStarts", "model_starts", "spread"]
+__all__ = ["AgreedSwitch", "DDP_BUCKET_BYTES", "Decision", "PLANNED", "SearchSpace", "Settings", "Tuner",
+           "UNLIMITED_BYTES", "OptunaSampler", "Sampler", "ModelStarts", "model_starts", "spread"]
 
 log = logging.getLogger("commsched.tuner")
 
 #: "No partition" / "no credit": larger than any tensor (what the benchmark's ``fifo`` uses).
 UNLIMITED_BYTES = 1 << 40
 KIB, MIB = 1 << 10, 1 << 20
+#: DDP's default bucket (``bucket_cap_mb=25``): as a fusion threshold on the synchronous path, fifo
+#: without partition reduces gradients as DDP does, a few large fused collectives and one wait at
+#: ``step()`` (the start point of ``auto`` where communication is hidden already)
+DDP_BUCKET_BYTES = 25 * MIB
 #: The ordering of a start point that runs a plan of the cost model's planner (:func:`model_starts`);
 #: outside :class:`SearchSpace` (a plan is one point, made for this model and topology, not a grid axis)
 PLANNED = "planned"
@@ -118,7 +122,7 @@ class SearchSpace:
     orderings: tuple[str, ...] = ("dynamic", "static", "fifo")
     partitions: tuple[int, ...] = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, UNLIMITED_BYTES)
     credits: tuple[int, ...] = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, UNLIMITED_BYTES)
-    fusions: tuple[int, ...] = (0, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
+    fusions: tuple[int, ...] = (0, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, DDP_BUCKET_BYTES)
     #: cross-iteration overlap on (True) or the synchronous path (False); ``(False,)`` where the user
     #: asked for the synchronous path, ``(True, False)`` where the tuner may choose
     cross_iterations: tuple[bool, ...] = (True, False)
