@@ -38,6 +38,8 @@ strategy         model
                  waits for all of them, then the optimizer step
 ``allreduce``    backward, then one flat all-reduce, then the optimizer step
 ``fifo``         commsched, one piece per tensor (or fused run), no credit (backward order)
+``sync``         ``fifo`` on the synchronous path: ``step()`` waits for every piece, then
+                 the optimizer step, as DDP (the hooks and the scheduler's CPU as ``fifo``)
 ``dynamic``,     commsched, runs of small tensors fused as the runtime fuses them
                  (``fusion_bytes``, 256 KiB: :func:`fusion_runs`; one task, ready with
                  the last of them), pieces of ``partition_bytes`` by priority within
@@ -86,7 +88,7 @@ MB = 1 << 20
 UNLIMITED = 1 << 60
 #: The simulated network's servers (see ``_Sim``).
 SERVERS = ("net", "rs", "ar", "ag")
-SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "dynamic", "static", "hierarchical",
+SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "sync", "dynamic", "static", "hierarchical",
                   "planned", "slack")
 
 
@@ -166,13 +168,16 @@ class StrategyModel:
     split_tied: bool = False
     #: ``<commsched strategy>+fuse=<size>``: its own fusion threshold (None: ``SimSettings.fusion_bytes``)
     fusion_bytes: int | None = None
+    #: commsched only: the next forward overlaps the reductions (True), or ``step()`` waits for them
+    #: all and runs the optimizer once, as DDP does (False: ``sync``, the synchronous path)
+    cross_iteration: bool = True
 
 
 def parse_sim_strategy(name: str) -> StrategyModel:
-    """``ddp``, ``ddp:<MB>``, ``horovod``, ``allreduce``, ``fifo``, ``dynamic``, ``static``, ``hierarchical``,
-    ``planned``, ``slack``; a commsched one may end in ``+tied`` (``dynamic+tied``: the tied embedding
-    split) and ``+fuse=<size>`` (``fifo+fuse=4MiB``: its own fusion threshold), as ``commsched bench``
-    runs them."""
+    """``ddp``, ``ddp:<MB>``, ``horovod``, ``allreduce``, ``fifo``, ``sync`` (fifo on the synchronous
+    path), ``dynamic``, ``static``, ``hierarchical``, ``planned``, ``slack``; a commsched one may end in
+    ``+tied`` (``dynamic+tied``: the tied embedding split) and ``+fuse=<size>`` (``fifo+fuse=4MiB``: its
+    own fusion threshold; ``sync+fuse=25MiB``: DDP's shape), as ``commsched bench`` runs them."""
     base, *modifiers = name.strip().split("+")
     if modifiers:
         model = parse_sim_strategy(base)
@@ -196,6 +201,8 @@ def parse_sim_strategy(name: str) -> StrategyModel:
         return StrategyModel(name, kind)
     if kind in ("fifo", "dynamic", "static"):
         return StrategyModel(name, "commsched", ordering=kind)
+    if kind == "sync":
+        return StrategyModel(name, "commsched", ordering="fifo", cross_iteration=False)
     if kind == "hierarchical":
         return StrategyModel(name, "commsched", ordering="dynamic", algorithm="hierarchical")
     if kind == "planned":
@@ -515,7 +522,8 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     n_layers = len(layers)
     ready_at = profile.ready_times()
     steps = settings.steps
-    cross = model.kind == "commsched"
+    commsched = model.kind == "commsched"
+    cross = commsched and model.cross_iteration
     # per (step, layer): gradients of that layer reduced (for the next forward / the optimizer)
     layer_left: dict[tuple[int, int], int] = {}
     step_left: dict[int, int] = {}
@@ -761,7 +769,7 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         previous = 0.0
         for li in order:
             fire = on_ready(s, li) if on_ready is not None else None
-            hooks = profile.per_grad_hook_s * len(layers[li].tensors) if cross else 0.0  # commsched's, in Python
+            hooks = profile.per_grad_hook_s * len(layers[li].tensors) if commsched else 0.0  # commsched's, in Python
             lane.append(("backward", f"bwd {layers[li].name}", max(0.0, ready_at[li] - previous) + hooks, _always,
                          fire))
             previous = max(previous, ready_at[li])

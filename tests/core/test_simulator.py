@@ -335,6 +335,24 @@ def test_the_link_excess_holds_the_network_for_every_commsched_piece_and_no_ddp_
     assert Profile.from_dict(data).per_piece_link_s == 0.0
 
 
+def test_sync_is_fifo_whose_step_waits_for_every_piece_and_then_runs_the_optimizer_once():
+    # comm-bound, two layers of 8 MiB: sync's step ends when the last piece lands, then the optimizer
+    prof, topo = profile_of([8, 8]), flat()
+    fifo, sync = simulate(prof, topo, "fifo"), simulate(prof, topo, "sync")
+    assert parse_sim_strategy("sync").cross_iteration is False and parse_sim_strategy("fifo").cross_iteration
+    both = 2 * allreduce_s(topo, 8 * MB, "ring")
+    # layer 1's gradient is ready after its own backward (0.02 s); both reductions then run back to back
+    assert sync.step_time_s == pytest.approx(0.02 + both + prof.step_optimizer_s + 2 * 0.01, rel=1e-6)
+    assert fifo.pieces_per_step == sync.pieces_per_step == 2
+    # commsched's hook runs in Python on either path (DDP's is its own, in C++)
+    hooked = dataclasses.replace(prof, per_grad_hook_s=0.005)
+    # (layer 1's hook delays the reductions' start; layer 0's runs while they do)
+    assert simulate(hooked, topo, "sync").step_time_s == pytest.approx(sync.step_time_s + 0.005, rel=1e-6)
+    assert simulate(hooked, topo, "ddp").step_time_s == simulate(prof, topo, "ddp").step_time_s
+    # DDP's shape: one fused collective a step where the tensors are under the threshold
+    assert simulate(profile_of([1, 1, 1]), topo, "sync+fuse=25MiB").pieces_per_step == 1
+
+
 def test_a_two_level_piece_pays_the_link_excess_on_its_inter_node_phase_the_pipelines_bottleneck():
     # 2 nodes x 2 ranks, a slow inter-node link and a fast intra one: the inter-node all-reduce
     # is the three-phase pipeline's bottleneck, so the excess held there delays every piece
