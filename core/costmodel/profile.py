@@ -123,6 +123,10 @@ class Profile:
     longer per tensor under a commsched strategy, and its pieces start that much later (measured
     by ``commsched profile`` in its ``dynamic`` run and by ``opt.profile()`` in the training it
     recorded, which takes it out of the layers' backward; 0 where not measured, e.g. the zoo).
+    Where ``commsched profile`` saw both kinds of hook, it is a gradient that only joined a fusion
+    group, and ``per_task_submit_s`` is what a hook that submits a task takes beyond that (the
+    decision and inline launch of its pieces, once per task: a fused run of many gradients pays it
+    once). 0 where not measured: then ``per_grad_hook_s`` is the mean of all hooks.
     ``per_piece_link_s``: the time a commsched piece holds the network beyond its closed form
     (the topology's α-β cost, times ``comm_contention``): where ranks share a machine's cores,
     each collective's software steps wait for CPU. Measured by ``commsched profile`` in its
@@ -150,6 +154,7 @@ class Profile:
     handoff_s: float = 0.0
     ranged: tuple[str, ...] | None = None
     per_grad_hook_s: float = 0.0
+    per_task_submit_s: float = 0.0
     per_piece_link_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -172,6 +177,7 @@ class Profile:
         _check_time("profile", "per_piece_steal_s", self.per_piece_steal_s)
         _check_time("profile", "handoff_s", self.handoff_s)
         _check_time("profile", "per_grad_hook_s", self.per_grad_hook_s)
+        _check_time("profile", "per_task_submit_s", self.per_task_submit_s)
         _check_time("profile", "per_piece_link_s", self.per_piece_link_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
@@ -245,7 +251,8 @@ class Profile:
                        optimizer_step_s=None if self.optimizer_step_s is None else self.optimizer_step_s * compute,
                        comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
                        tied=self.tied, handoff_s=self.handoff_s, ranged=self.ranged,
-                       per_grad_hook_s=self.per_grad_hook_s, per_piece_link_s=self.per_piece_link_s)
+                       per_grad_hook_s=self.per_grad_hook_s, per_piece_link_s=self.per_piece_link_s,
+                       per_task_submit_s=self.per_task_submit_s)
 
     def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
         """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
@@ -334,6 +341,7 @@ class Profile:
                        handoff_s=float(data.get("handoff_s", 0.0)),
                        ranged=None if data.get("ranged") is None else tuple(str(n) for n in data["ranged"]),
                        per_grad_hook_s=float(data.get("per_grad_hook_s", 0.0)),
+                       per_task_submit_s=float(data.get("per_task_submit_s", 0.0)),
                        per_piece_link_s=float(data.get("per_piece_link_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "

@@ -752,6 +752,16 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         fixed, in_ranges, last = apply_s * (1 - share), apply_s * share, apply_s * min(tail, share)
         return lambda waited: fixed + (max(last, in_ranges - waited) if waited > 0 else in_ranges)
 
+    # backward order: a layer's gradients are handed over at its ready time
+    order = sorted(range(n_layers), key=lambda i: (ready_at[i], -i))
+    # the tasks each layer's hooks submit: a task of several tensors is submitted by the hook of
+    # the last of its tensors to be ready (per_task_submit_s, once per task)
+    position = {li: k for k, li in enumerate(order)}
+    closing = [0] * n_layers
+    for entry in {entry[0]: entry for entry in task_of.values()}.values():
+        members = [tensor_layer[name] for name in entry[1] if name in tensor_layer]
+        if members:
+            closing[max(members, key=position.__getitem__)] += 1
     lane = sim.lane
     for s in range(steps):
         for li in range(n_layers):
@@ -765,11 +775,12 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                 lane.append(("apply", f"apply {layer.name}", apply_work(layer), layer_done(s - 1, li), None))
             lane.append(("forward", f"fwd {layer.name}", layer.forward_s, _always, None))
         # backward, cut at the ready times: the gradients of a layer are handed over at its ready time
-        order = sorted(range(n_layers), key=lambda i: (ready_at[i], -i))
         previous = 0.0
         for li in order:
             fire = on_ready(s, li) if on_ready is not None else None
-            hooks = profile.per_grad_hook_s * len(layers[li].tensors) if commsched else 0.0  # commsched's, in Python
+            # commsched's hooks, in Python: every gradient's, and the submit of each task it completes
+            hooks = (profile.per_grad_hook_s * len(layers[li].tensors) + profile.per_task_submit_s * closing[li]
+                     if commsched else 0.0)
             lane.append(("backward", f"bwd {layers[li].name}", max(0.0, ready_at[li] - previous) + hooks, _always,
                          fire))
             previous = max(previous, ready_at[li])

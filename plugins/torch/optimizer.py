@@ -524,6 +524,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._next_priority = 0
         self._sync_enabled = True
         self._backward_seen = False
+        self._tasks_submitted = 0  # Scheduler.submit calls from the gradient hooks (profile(): their own cost)
         self._steps = 0
         self._bubble = 0.0
         self._bubbles: list[float] = []
@@ -951,11 +952,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             if recorder is None:
                 self._submit(state)
                 return
-            t0 = time.perf_counter()  # profile(): the hook's own time, which the cost model charges apart
-            try:
+            t0, tasks = time.perf_counter(), self._tasks_submitted  # profile(): the hook's own time, which
+            try:                                                       # the cost model charges apart
                 self._submit(state)
             finally:
-                recorder.hooked(param, time.perf_counter() - t0)
+                recorder.hooked(param, time.perf_counter() - t0, submitted=self._tasks_submitted > tasks)
         return hook
 
     def _fuse_small(self) -> None:
@@ -1013,10 +1014,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if state.landed is not None:  # each piece is averaged as it lands (_piece_landed), not the whole at the end
             state.future = self._scheduler.submit(state.name, buffer, state.priority,
                                                   on_piece=functools.partial(self._piece_landed, state))
+            self._tasks_submitted += 1
             state.future.add_done_callback(self._wake_landed)  # a failure ends a wait for the next range too
             return
         state.future = self._scheduler.submit(state.name, buffer, state.priority, ready=ready,
                                               on_done=None if self._engine_averages else self._after_reduce)
+        self._tasks_submitted += 1
 
     def _rangeable_pieces(self, state: _ParamState, buffer: torch.Tensor) -> int:
         """The number of pieces of ``state``'s gradient if it may be applied range by range as they land,
@@ -1083,6 +1086,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             s.cuda = ready
         future = self._scheduler.submit(fusion.name, buffer, min(s.priority for s in fusion.members),
                                         on_done=None if self._engine_averages else self._after_reduce, ready=ready)
+        self._tasks_submitted += 1
         for s in fusion.members:
             s.future = future
             s.landed, s.pieces = None, 0  # reduced alone last time (a partial group): not ranged now

@@ -73,8 +73,8 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: Bump when what a cached profile means changes: older cache entries are then ignored
 #: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured;
 #: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s;
-#: 7: ``per_piece_link_s`` measured).
-CACHE_VERSION = 7
+#: 7: ``per_piece_link_s`` measured; 8: ``per_task_submit_s`` split from ``per_grad_hook_s``).
+CACHE_VERSION = 8
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
@@ -153,6 +153,7 @@ class StepRecorder:
             self.handles.append(optimizer.register_step_post_hook(self._step_post))
         self._step_t0 = 0.0
         self.hook_s, self.hooks = 0.0, 0  # DistributedOptimizer's gradient hooks so far: wall seconds, calls
+        self.task_hook_s, self.task_hooks = 0.0, 0  # of them, the hooks that submitted a task
 
     # hooks -----------------------------------------------------------------
     def _root_pre(self, _module: nn.Module, _args: Any) -> None:
@@ -219,12 +220,16 @@ class StepRecorder:
                 cur.ready[index] = time.perf_counter()
         return hook
 
-    def hooked(self, param: torch.Tensor, seconds: float) -> None:
+    def hooked(self, param: torch.Tensor, seconds: float, submitted: bool = True) -> None:
         """DistributedOptimizer's gradient hook for ``param`` took ``seconds`` of the training thread
         (``profile()`` takes it out of the layer's backward: the cost model charges it apart;
-        ``hook_s`` and ``hooks`` count every one, recorded pass or not)."""
+        ``hook_s`` and ``hooks`` count every one, recorded pass or not; ``task_hook_s`` and
+        ``task_hooks`` those that ``submitted`` a task, not only joined a fusion group)."""
         self.hook_s += seconds
         self.hooks += 1
+        if submitted:
+            self.task_hook_s += seconds
+            self.task_hooks += 1
         cur = self._current
         index = self._layer_of_param.get(id(param))
         if cur is not None and index is not None:
@@ -709,7 +714,8 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
     hook = _grad_hook(phase.ranks)
     link = _link_excess(phase.ranks, workers, nodes, bandwidth, intra_bandwidth, network, prof.comm_contention)
     prof = dataclasses.replace(prof, per_piece_steal_s=steal, handoff_s=handoff["value"] or 0.0,
-                               per_grad_hook_s=hook["value"], per_piece_link_s=link["value"] or 0.0,
+                               per_grad_hook_s=hook["value"], per_task_submit_s=hook["per_task_submit_s"],
+                               per_piece_link_s=link["value"] or 0.0,
                                meta=dict(prof.meta, grad_hook=hook, link_excess=link))
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof
@@ -756,12 +762,28 @@ def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, b
 
 
 def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """``per_grad_hook_s`` from the ranks' :func:`_sched_cpu_per_piece`: the slowest rank's time per
-    gradient in commsched's hook on its training thread (the slowest rank sets the step)."""
-    per = [r["sched_cpu"]["per_hook_s"] for r in ranks if (r.get("sched_cpu") or {}).get("per_hook_s")]
-    return {"value": max(per) if per else 0.0, "per_rank_s": per,
+    """``per_grad_hook_s`` and ``per_task_submit_s`` from the ranks' :func:`_sched_cpu_per_piece`, the
+    slowest rank's (the slowest rank sets the step). Where a rank saw both kinds of hook, those that
+    only joined a fusion group give the time per gradient, and those that submitted a task that
+    much more per task (the decision and the inline launches); else the mean hook per gradient and
+    nothing per task."""
+    rows = []
+    for r in ranks:
+        c = r.get("sched_cpu") or {}
+        if not c.get("hooks"):
+            continue
+        members = c["hooks"] - c.get("task_hooks", c["hooks"])
+        if members > 0 and c.get("task_hooks"):
+            per_grad = (c["hook_s"] - c["task_hook_s"]) / members
+            rows.append((per_grad, max(0.0, c["task_hook_s"] / c["task_hooks"] - per_grad)))
+        else:
+            rows.append((c["hook_s"] / c["hooks"], 0.0))
+    slowest = max(rows, key=lambda row: row[0] + row[1]) if rows else (0.0, 0.0)
+    return {"value": slowest[0], "per_task_submit_s": slowest[1], "per_rank": rows,
             "how": "wall time of DistributedOptimizer._submit (the gradient hook's work: fusion copy, "
-                   "Scheduler.submit and the launches it makes) per call, in a short dynamic run, the slowest rank"}
+                   "Scheduler.submit and the launches it makes) in a short dynamic run, the slowest rank: per "
+                   "gradient from the hooks that only joined a fusion group, per task the excess of those that "
+                   "submitted one (all hooks per gradient where there were no fused gradients)"}
 
 
 def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -811,18 +833,20 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
     try:
         _train(strat, workload, x, y, 2)
         pieces0, cpu0 = worker._counters(strat)[0], worker.thread_cpu_s()
-        hooks0 = (recorder.hook_s, recorder.hooks)
+        hooks0 = (recorder.hook_s, recorder.hooks, recorder.task_hook_s, recorder.task_hooks)
         _train(strat, workload, x, y, SCHED_CPU_STEPS, progress, "scheduler CPU")
         by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
         pieces = (worker._counters(strat)[0] or 0) - (pieces0 or 0)
-        hooks = (recorder.hook_s - hooks0[0], recorder.hooks - hooks0[1])
+        hooks = (recorder.hook_s - hooks0[0], recorder.hooks - hooks0[1], recorder.task_hook_s - hooks0[2],
+                 recorder.task_hooks - hooks0[3])
         sched = strat.stats().get("scheduler") or {}  # the last steps' pieces: the link's excess per piece
     finally:
         strat.close()
     return {"cpu_s": sum(by_thread.values()), "by_thread_s": by_thread, "pieces": pieces,
             "per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
             "per_piece_s": sum(by_thread.values()) / pieces if pieces > 0 else None, "steps": SCHED_CPU_STEPS,
-            "hook_s": hooks[0], "hooks": hooks[1], "per_hook_s": hooks[0] / hooks[1] if hooks[1] else None}
+            "hook_s": hooks[0], "hooks": hooks[1], "per_hook_s": hooks[0] / hooks[1] if hooks[1] else None,
+            "task_hook_s": hooks[2], "task_hooks": hooks[3]}
 
 
 def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any,
@@ -976,6 +1000,9 @@ def format_profile(prof: Profile) -> str:
         tensors = sum(len(layer.tensors) for layer in prof.layers)
         rows.append(f"commsched's gradient hook: {prof.per_grad_hook_s * 1e6:.0f} us a gradient on the training "
                     f"thread, {prof.per_grad_hook_s * tensors * 1e3:.1f} ms a step over {tensors} gradients")
+    if prof.per_task_submit_s:
+        rows.append(f"  and {prof.per_task_submit_s * 1e6:.0f} us more in a hook that submits a task (its decision and "
+                    "inline launches; a fused run of gradients pays it once)")
     return "\n".join(rows)
 
 

@@ -353,6 +353,25 @@ def test_sync_is_fifo_whose_step_waits_for_every_piece_and_then_runs_the_optimiz
     assert simulate(profile_of([1, 1, 1]), topo, "sync+fuse=25MiB").pieces_per_step == 1
 
 
+def test_a_task_s_submit_is_charged_once_per_task_in_the_hook_that_completes_it():
+    # three 1 MiB gradients: alone, three tasks (three submits); fused into one run (25 MiB), one
+    # submit, in the hook of layer 0, the last ready; comm-bound, so each submit on the way delays it
+    prof, topo = profile_of([1, 1, 1]), flat()
+    slow = dataclasses.replace(prof, per_task_submit_s=0.01)
+    for strategy, submits in (("sync", 3), ("sync+fuse=25MiB", 1)):
+        before, after = simulate(prof, topo, strategy), simulate(slow, topo, strategy)
+        assert after.pieces_per_step == before.pieces_per_step == submits
+        if submits == 1:
+            assert after.step_time_s - before.step_time_s == pytest.approx(0.01, rel=1e-6)
+        else:
+            assert after.step_time_s - before.step_time_s >= 0.01 * 2 - 1e-9
+    assert simulate(slow, topo, "ddp").step_time_s == simulate(prof, topo, "ddp").step_time_s
+    data = slow.to_dict()
+    assert Profile.from_dict(data).scaled(compute=2.0).per_task_submit_s == 0.01
+    del data["per_task_submit_s"]  # a profile written before the field existed
+    assert Profile.from_dict(data).per_task_submit_s == 0.0
+
+
 def test_a_two_level_piece_pays_the_link_excess_on_its_inter_node_phase_the_pipelines_bottleneck():
     # 2 nodes x 2 ranks, a slow inter-node link and a fast intra one: the inter-node all-reduce
     # is the three-phase pipeline's bottleneck, so the excess held there delays every piece

@@ -230,6 +230,23 @@ def test_bad_flags_are_refused_naming_the_flag_before_anything_runs(capsys):
     assert "--nodes 2 must divide --workers 3" in capsys.readouterr().err
 
 
+def test_the_hook_splits_into_a_gradients_own_time_and_a_tasks_submit_where_both_kinds_ran():
+    from commsched.plugins.torch.profiler import _grad_hook
+
+    # rank 0: 10 hooks, 4 of them submitted a task: 6 x 1 ms joined a fusion group, 4 x 5 ms submitted
+    both = {"sched_cpu": {"hook_s": 0.006 + 0.020, "hooks": 10, "task_hook_s": 0.020, "task_hooks": 4}}
+    # rank 1: every hook submitted a task (no fused gradient): the mean per gradient, nothing per task
+    alone = {"sched_cpu": {"hook_s": 0.008, "hooks": 4, "task_hook_s": 0.008, "task_hooks": 4}}
+    out = _grad_hook([both])
+    assert out["value"] == pytest.approx(0.001) and out["per_task_submit_s"] == pytest.approx(0.004)
+    out = _grad_hook([alone])
+    assert out["value"] == pytest.approx(0.002) and out["per_task_submit_s"] == 0.0
+    # the slowest rank (1 + 4 ms against 2 ms) sets both; nothing measured: 0
+    out = _grad_hook([alone, both, {"sched_cpu": None}])
+    assert (out["value"], out["per_task_submit_s"]) == pytest.approx((0.001, 0.004))
+    assert _grad_hook([{}]) == dict(_grad_hook([{}]), value=0.0, per_task_submit_s=0.0)
+
+
 def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path):
     prof = load_or_profile("tiny", workers=2, network="loopback", steps=3, warmup=1, cache_dir=tmp_path,
                            log_stream=open(os.devnull, "w"))
@@ -251,8 +268,11 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     assert prof.handoff_s == (handoff["value"] or 0.0) and prof.handoff_s >= 0.0
     assert (handoff["value"] is None) == (handoff["pairs"] == 0)
     # the gradient hook on the training thread, timed in the same dynamic run: every gradient, every step
-    assert all(r["hooks"] == SCHED_CPU_STEPS * 4 and r["hook_s"] > 0 for r in sched["per_rank"])
-    assert prof.per_grad_hook_s == max(prof.meta["grad_hook"]["per_rank_s"]) > 0
+    assert all(r["hooks"] == SCHED_CPU_STEPS * 4 and r["hook_s"] > 0 and 0 < r["task_hooks"] <= r["hooks"]
+               for r in sched["per_rank"])
+    hook = prof.meta["grad_hook"]
+    assert [prof.per_grad_hook_s, prof.per_task_submit_s] == list(max(hook["per_rank"], key=sum))
+    assert prof.per_grad_hook_s > 0
     # the network's time per piece beyond the closed form, from the same run's last steps on both ranks
     link = prof.meta["link_excess"]
     assert link["steps"] and all(s["pieces"] > 0 and s["busy_s"] > 0 for s in link["steps"])
