@@ -123,7 +123,7 @@ class HierarchicalAllReduce:
         self.timeout = datetime.timedelta(seconds=float(timeout_s))
         #: the most pieces one phase had in flight at once (how far the pipeline overlapped)
         self.max_in_flight = 0
-        # per phase, the most recent pieces' (name, handed, issued, landed) on this rank (time.time())
+        # per phase, the most recent pieces' (name, step, handed, issued, landed) on this rank (time.time())
         self._spans: list[collections.deque] = [collections.deque(maxlen=SPANS_KEPT) for _ in PHASES]
         self.flat = nodes == 1 or ranks_per_node == 1
         self._groups: list[Any] = []
@@ -322,8 +322,8 @@ class HierarchicalAllReduce:
             out[phase] = {"pieces": n,
                           "mean_s": sum(e - i for *_, i, e in spans) / n if n else None,
                           "queued_s": sum(i - h for *_, h, i, _ in spans) / n if n else None}
-        steps = sorted({s[1] for spans in kept for s in spans if s[1] is not None})[-max(0, last_steps):]
-        for step in steps if last_steps > 0 else ():
+        labelled = sorted({s[1] for spans in kept for s in spans if s[1] is not None})
+        for step in labelled[-last_steps:] if last_steps > 0 else ():
             row: dict[str, Any] = {}
             for phase, spans in zip(PHASES, kept, strict=True):
                 mine = sorted((i, e) for _, st, _, i, e in spans if st == step)

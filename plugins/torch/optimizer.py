@@ -952,8 +952,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             if recorder is None:
                 self._submit(state)
                 return
-            t0, tasks = time.perf_counter(), self._tasks_submitted  # profile(): the hook's own time, which
-            try:                                                       # the cost model charges apart
+            # profile(): the hook's own time, which the cost model charges apart, and whether it submitted a task
+            t0, tasks = time.perf_counter(), self._tasks_submitted
+            try:
                 self._submit(state)
             finally:
                 recorder.hooked(param, time.perf_counter() - t0, submitted=self._tasks_submitted > tasks)

@@ -763,7 +763,7 @@ def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, b
 
 def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """``per_grad_hook_s`` and ``per_task_submit_s`` from the ranks' :func:`_sched_cpu_per_piece`, the
-    slowest rank's (the slowest rank sets the step). Where a rank saw both kinds of hook, those that
+    rank with the most hook time (the slowest rank sets the step). Where a rank saw both kinds of hook, those that
     only joined a fusion group give the time per gradient, and those that submitted a task that
     much more per task (the decision and the inline launches); else the mean hook per gradient and
     nothing per task."""
@@ -775,11 +775,12 @@ def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         members = c["hooks"] - c.get("task_hooks", c["hooks"])
         if members > 0 and c.get("task_hooks"):
             per_grad = (c["hook_s"] - c["task_hook_s"]) / members
-            rows.append((per_grad, max(0.0, c["task_hook_s"] / c["task_hooks"] - per_grad)))
+            per_task = max(0.0, c["task_hook_s"] / c["task_hooks"] - per_grad)
         else:
-            rows.append((c["hook_s"] / c["hooks"], 0.0))
-    slowest = max(rows, key=lambda row: row[0] + row[1]) if rows else (0.0, 0.0)
-    return {"value": slowest[0], "per_task_submit_s": slowest[1], "per_rank": rows,
+            per_grad, per_task = c["hook_s"] / c["hooks"], 0.0
+        rows.append({"per_grad_s": per_grad, "per_task_s": per_task, "hook_s": c["hook_s"]})
+    slowest = max(rows, key=lambda row: row["hook_s"]) if rows else {"per_grad_s": 0.0, "per_task_s": 0.0}
+    return {"value": slowest["per_grad_s"], "per_task_submit_s": slowest["per_task_s"], "per_rank": rows,
             "how": "wall time of DistributedOptimizer._submit (the gradient hook's work: fusion copy, "
                    "Scheduler.submit and the launches it makes) in a short dynamic run, the slowest rank: per "
                    "gradient from the hooks that only joined a fusion group, per task the excess of those that "
