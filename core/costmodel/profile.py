@@ -123,7 +123,7 @@ class Profile:
     longer per tensor under a commsched strategy, and its pieces start that much later (measured
     by ``commsched profile`` in its ``dynamic`` run and by ``opt.profile()`` in the training it
     recorded, which takes it out of the layers' backward; 0 where not measured, e.g. the zoo).
-    Where ``commsched profile`` saw both kinds of hook, it is a gradient that only joined a fusion
+    Where the profile saw both kinds of hook, it is a gradient that only joined a fusion
     group, and ``per_task_submit_s`` is what a hook that submits a task takes beyond that (the
     decision and inline launch of its pieces, once per task: a fused run of many gradients pays it
     once). 0 where not measured: then ``per_grad_hook_s`` is the mean of all hooks.

@@ -99,6 +99,8 @@ class _Pass:
     backward_end: float | None = None                          # loss.backward() returned (when known)
     hook: dict[int, float] = field(default_factory=dict)       # layer -> seconds in commsched's gradient hooks
     hooks: int = 0                                             # gradient hooks timed in this pass
+    task_hook_s: float = 0.0                                   # of them, those that submitted a task: seconds
+    task_hooks: int = 0                                        # and calls
     end: float | None = None                                   # the next pass's start
 
 
@@ -235,6 +237,9 @@ class StepRecorder:
         if cur is not None and index is not None:
             cur.hook[index] = cur.hook.get(index, 0.0) + seconds
             cur.hooks += 1
+            if submitted:
+                cur.task_hook_s += seconds
+                cur.task_hooks += 1
 
     def _step_pre(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
         self._step_t0 = time.perf_counter()
@@ -304,6 +309,10 @@ class _Cut:
     passes: int
     hooks: float = 0.0                # commsched's gradient hooks a pass, taken out of the backward
     per_hook: float | None = None     # their time per gradient (None: none timed)
+    # where some hooks only joined a fusion group: their time per gradient, and what a hook that
+    # submitted a task took beyond that (None: not both kinds, per_hook is all there is)
+    per_grad: float | None = None
+    per_task: float | None = None
 
 
 def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
@@ -316,6 +325,7 @@ def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
     pre, ftot, btot, stot, swait, whole = [], [], [], [], [], []
     hook_total: list[float] = []
     per_hook: list[float] = []
+    split: list[tuple[float, float]] = []
     used = 0
     for p in passes:
         end_f = getattr(p, forward_end)
@@ -345,6 +355,10 @@ def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
         hook_total.append(hooked)
         if p.hooks:
             per_hook.append(hooked / p.hooks)
+            members = p.hooks - p.task_hooks
+            if members > 0 and p.task_hooks:
+                grad = (sum(p.hook.values()) - p.task_hook_s) / members
+                split.append((grad, max(0.0, p.task_hook_s / p.task_hooks - grad)))
         if p.end is not None:
             stot.append(p.end - p.start)
         swait.append(p.step_wait_s)
@@ -356,7 +370,8 @@ def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
     return _Cut([_median(v) for v in fwd], [_median(v) for v in bwd], [_median(v) for v in rdy],
                 [_median(v) for v in wt], _median(pre), _median(ftot), _median(btot), _median(stot),
                 _median(swait), _median(whole) if whole else None, used, _median(hook_total),
-                _median(per_hook) if per_hook else None)
+                _median(per_hook) if per_hook else None, _median([g for g, _ in split]) if split else None,
+                _median([t for _, t in split]) if split else None)
 
 
 def _scale(values: list[float], target: float, rest: float = 0.0) -> tuple[list[float], float]:
@@ -558,18 +573,22 @@ def profile_recorded(recorder: StepRecorder, *, cross_iteration: bool, world_siz
     for i, (name, names) in enumerate(layers):
         out.append(LayerProfile(name=name, forward_s=cut.forward[i], backward_s=cut.backward[i], apply_s=apply[i],
                                 ready_s=cut.ready[i], tensors=_tensor_specs(names, params)))
+    per_grad, per_task = (cut.per_grad, cut.per_task) if cut.per_task is not None else (cut.per_hook or 0.0, 0.0)
     meta = {
         "cross_iteration": cross_iteration, "world_size": world_size, "measured_steps": cut.passes,
         "step_s": cut.step_total, "bubble_s": bubble, "wait_per_layer_s": cut.waited,
         "optimizer_step_s": whole, "orphans": recorder.orphans(),
-        "grad_hook": {"value": cut.per_hook or 0.0, "per_step_s": cut.hooks,
-                      "how": "wall time of DistributedOptimizer's gradient hook (median of the passes' mean per "
-                             "gradient); taken out of each layer's backward and ready times"},
+        "grad_hook": {"value": per_grad, "per_task_submit_s": per_task, "per_step_s": cut.hooks,
+                      "mean_per_gradient_s": cut.per_hook,
+                      "how": "wall time of DistributedOptimizer's gradient hook, taken out of each layer's backward "
+                             "and ready times; per gradient the median over the passes of the hooks that only "
+                             "joined a fusion group, per task the excess of those that submitted one (the mean of "
+                             "all hooks per gradient where no gradient was fused)"},
         "note": "times measured during training, under its communication: contention is included in them",
     }
     return Profile(layers=tuple(out), source=source, batch_size=batch_size, contention=1.0,
                    step_overhead_s=max(0.0, rest), optimizer_step_s=whole, meta=meta,
-                   per_grad_hook_s=cut.per_hook or 0.0,
+                   per_grad_hook_s=per_grad, per_task_submit_s=per_task,
                    tied=tied_tensor_names(recorder.model, list(params.items())))
 
 

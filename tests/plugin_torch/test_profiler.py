@@ -217,6 +217,12 @@ def test_commsched_s_gradient_hooks_are_taken_out_of_the_backward_where_they_ran
     assert cut.backward == pytest.approx([0.3, 0.15]) and cut.ready == pytest.approx([0.45, 0.15])
     assert cut.backward_total == pytest.approx(0.45)
     assert cut.hooks == pytest.approx(0.15) and cut.per_hook == pytest.approx(0.05)
+    assert cut.per_grad is None and cut.per_task is None  # every hook submitted a task: no split
+    # two of the three hooks only joined a fusion group (0.02 s each); the third submitted it (0.11 s)
+    split = one(True)
+    split.hook, split.task_hook_s, split.task_hooks = {1: 0.04, 0: 0.11}, 0.11, 1
+    cut = _cut([split], 2)
+    assert cut.per_grad == pytest.approx(0.02) and cut.per_task == pytest.approx(0.09)
 
 
 def test_bad_flags_are_refused_naming_the_flag_before_anything_runs(capsys):
