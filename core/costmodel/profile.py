@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "handoff_from_times",
-           "link_excess_from_times", "load_json",
+           "link_excess_from_times", "load_json", "union_s",
            "read_json", "steal_share", "write_json"]
 
 SCHEMA = "commsched-profile/1"
@@ -393,6 +393,16 @@ def handoff_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                      "of (last rank's issue of the second - first rank's landing of the first)"}
 
 
+def union_s(spans: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` spans: how long at least one of them ran."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
 def link_excess_from_times(ranks: Sequence[dict[str, Any]], piece_cost: Callable[[float], float],
                            comm_contention: float = 1.0) -> dict[str, Any]:
     """The network time per piece beyond the model's closed form, from every rank's
@@ -426,11 +436,7 @@ def link_excess_from_times(ranks: Sequence[dict[str, Any]], piece_cost: Callable
             spans.append((start, max(start, min(ends))))
         if not spans:
             continue
-        busy, reach = 0.0, float("-inf")
-        for start, end in sorted(spans):
-            if end > reach:
-                busy += end - max(start, reach)
-                reach = end
+        busy = union_s(spans)
         model = len(spans) * piece_cost(lead["bytes"] / lead["pieces"]) * comm_contention
         steps.append({"step": float(step), "pieces": float(len(spans)), "busy_s": busy, "model_s": model,
                       "excess_per_piece_s": (busy - model) / len(spans)})

@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from commsched.costmodel.profile import union_s
 from commsched.errors import CommschedError
 
 __all__ = ["HierarchicalAllReduce"]
@@ -327,12 +328,7 @@ class HierarchicalAllReduce:
             row: dict[str, Any] = {}
             for phase, spans in zip(PHASES, kept, strict=True):
                 mine = sorted((i, e) for _, st, _, i, e in spans if st == step)
-                busy, reach = 0.0, float("-inf")
-                for start, end in mine:
-                    if end > reach:
-                        busy += end - max(start, reach)
-                        reach = end
-                row[phase] = {"pieces": len(mine), "busy_s": busy,
+                row[phase] = {"pieces": len(mine), "busy_s": union_s(mine),
                               "window_s": (max(e for _, e in mine) - mine[0][0]) if mine else 0.0}
             out["per_step"][str(step)] = row
         return out

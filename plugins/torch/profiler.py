@@ -355,10 +355,9 @@ def _cut(passes: Sequence[_Pass], n: int, *, forward_end: str = "forward_end",
         hook_total.append(hooked)
         if p.hooks:
             per_hook.append(hooked / p.hooks)
-            members = p.hooks - p.task_hooks
-            if members > 0 and p.task_hooks:
-                grad = (sum(p.hook.values()) - p.task_hook_s) / members
-                split.append((grad, max(0.0, p.task_hook_s / p.task_hooks - grad)))
+            both = _hook_split(sum(p.hook.values()), p.hooks, p.task_hook_s, p.task_hooks)
+            if both is not None:
+                split.append(both)
         if p.end is not None:
             stot.append(p.end - p.start)
         swait.append(p.step_wait_s)
@@ -780,6 +779,18 @@ def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, b
                 ranks_on_machine=workers, cores=cores, topology=topology.to_dict())
 
 
+def _hook_split(hook_s: float, hooks: int, task_hook_s: float, task_hooks: int) -> tuple[float, float] | None:
+    """``(per gradient, per task)`` from ``hooks`` gradient hooks of ``hook_s`` seconds, ``task_hooks``
+    of which (``task_hook_s``) submitted a task: the others only joined a fusion group, so they time
+    a gradient's own work, and a submitting hook's excess over that is the task's submit. ``None``
+    without both kinds."""
+    members = hooks - task_hooks
+    if members <= 0 or task_hooks <= 0:
+        return None
+    per_grad = (hook_s - task_hook_s) / members
+    return per_grad, max(0.0, task_hook_s / task_hooks - per_grad)
+
+
 def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """``per_grad_hook_s`` and ``per_task_submit_s`` from the ranks' :func:`_sched_cpu_per_piece`, the
     rank with the most hook time (the slowest rank sets the step). Where a rank saw both kinds of hook, those that
@@ -791,12 +802,8 @@ def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         c = r.get("sched_cpu") or {}
         if not c.get("hooks"):
             continue
-        members = c["hooks"] - c.get("task_hooks", c["hooks"])
-        if members > 0 and c.get("task_hooks"):
-            per_grad = (c["hook_s"] - c["task_hook_s"]) / members
-            per_task = max(0.0, c["task_hook_s"] / c["task_hooks"] - per_grad)
-        else:
-            per_grad, per_task = c["hook_s"] / c["hooks"], 0.0
+        per_grad, per_task = (_hook_split(c["hook_s"], c["hooks"], c.get("task_hook_s", 0.0), c.get("task_hooks", 0))
+                              or (c["hook_s"] / c["hooks"], 0.0))
         rows.append({"per_grad_s": per_grad, "per_task_s": per_task, "hook_s": c["hook_s"]})
     slowest = max(rows, key=lambda row: row["hook_s"]) if rows else {"per_grad_s": 0.0, "per_task_s": 0.0}
     return {"value": slowest["per_grad_s"], "per_task_submit_s": slowest["per_task_s"], "per_rank": rows,
