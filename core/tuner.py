@@ -222,8 +222,9 @@ class ModelStarts:
 def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gain: float | None = None,
                  plan_time_limit_s: float = 10.0, default: Settings | None = None) -> ModelStarts:
     """The cost model's start points for the tuner, best predicted first: the advised runtime
-    setting (``commsched.costmodel.cli.advise``: ``fifo``, or ``dynamic`` with its best piece size
-    x credit; ``default``, the config's own settings, unless a candidate is predicted more than the
+    setting (``commsched.costmodel.cli.advise``: ``fifo``, ``dynamic`` with its best piece size
+    x credit, or DDP's shape, fifo on the synchronous path with a 4 or 25 MiB fusion threshold;
+    ``default``, the config's own settings, unless a candidate is predicted more than the
     model's error ahead of it) and the planner's plan (:func:`commsched.costmodel.planner.make_plan`) where it is
     predicted more than ``plan_min_gain`` ahead of that setting (default the planner's own margin,
     ``PlanSearch.min_gain``: the model's measured error). What only a plan chooses: the two-level
@@ -242,7 +243,8 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
         advice = advise(profile, topology, fusion_bytes=fusion_bytes, default=usual)
         a = advice["settings"]
         advised = Settings(a["ordering"], a.get("partition_bytes", UNLIMITED_BYTES),
-                           a.get("credit_bytes", UNLIMITED_BYTES), fusion_bytes)
+                           a.get("credit_bytes", UNLIMITED_BYTES), a.get("fusion_bytes", fusion_bytes),
+                           cross_iteration=a.get("cross_iteration", True))
         advised_s = float(advice["commsched_step_s"])
         starts.append(advised)
         kept = " (the config's own: nothing predicted more than the model's error ahead)" \

@@ -518,11 +518,26 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
 
 
 # ------------------------------------------------------------------ advise
+#: the fusion thresholds of the synchronous candidates :func:`advise` weighs: 4 MiB and DDP's own 25 MiB
+#: bucket (``commsched.tuner.DDP_BUCKET_BYTES``): plain fifo on the synchronous path, DDP's shape
+SYNC_FUSION_MB = (4.0, 25.0)
+
+
 def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, ...] = (0.5, 1, 2, 4, 16),
            credit_mb: tuple[float, ...] = (2, 4, 8, 32), fusion_bytes: int | None = None,
-           default: dict[str, Any] | None = None, margin: float | None = None) -> dict[str, Any]:
+           default: dict[str, Any] | None = None, margin: float | None = None,
+           sync_fusion_mb: tuple[float, ...] = SYNC_FUSION_MB) -> dict[str, Any]:
     """Whether scheduling helps this model on this network, by how much, with which settings, and why.
     ``fusion_bytes``: the runtime's fusion of small gradients (default the runtime's, 256 KiB).
+
+    The candidates: plain ``fifo``, ``dynamic`` over ``partition_mb`` x ``credit_mb`` (both with
+    ``fusion_bytes``), and DDP's shape inside commsched, fifo on the synchronous path with each of
+    ``sync_fusion_mb`` as the fusion threshold (simulated strategy ``sync``). The synchronous ones
+    carry ``"cross_iteration": False`` and their ``"fusion_bytes"`` in ``settings``; the others
+    run with ``fusion_bytes`` and the cross-iteration path. Where communication is already hidden,
+    DDP's shape is commsched's best prediction (no per-piece hops on the training thread, no forward
+    waits) and the advice says so: scheduling brings nothing there, and the way to lose nothing is
+    to run as DDP does.
 
     ``default``: what runs without advice (``ordering``, ``partition_bytes``, ``credit_bytes``; None:
     ``SchedulerConfig()``'s). The advice departs from it only for a candidate the simulator puts more
@@ -544,6 +559,10 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         s = SimSettings(partition_bytes=int(p_mb * MB), credit_bytes=int(c_mb * MB), fusion_bytes=fusion)
         chosen = {"ordering": "dynamic", "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
         candidates.append((simulate(profile, topology, "dynamic", s), chosen, s))
+    for f_mb in sync_fusion_mb:
+        s = SimSettings(fusion_bytes=int(f_mb * MB))
+        chosen = {"ordering": "fifo", "cross_iteration": False, "fusion_bytes": s.fusion_bytes}
+        candidates.append((simulate(profile, topology, "sync", s), chosen, s))
     best, settings, best_sim = min(candidates, key=lambda c: c[0].step_time_s)
     usual = _default_candidate(profile, topology, default, fusion, candidates)
     best_candidate = {"settings": settings, "step_s": best.step_time_s}
@@ -572,7 +591,8 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         reasons.append(f"{', '.join(already)} is split already (split_tied_embeddings=True): this profile's "
                        "readiness is the split's")
     elif profile.tied:
-        split = simulate(profile, topology, f"{settings['ordering']}+tied", best_sim)
+        kind = "sync" if settings.get("cross_iteration") is False else settings["ordering"]
+        split = simulate(profile, topology, f"{kind}+tied", best_sim)
         reasons.append(f"{', '.join(profile.tied)} is a tied embedding: with PyTorch's DistributedOptimizer("
                        f"split_tied_embeddings=True) the simulated step is {split.step_time_s:.3g} s "
                        f"({ddp.step_time_s / split.step_time_s:.2f}x {ddp.strategy}; the recommended settings, "
@@ -589,6 +609,11 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         reasons.append(f"the model's best, {_describe(best_candidate['settings'], fusion)} "
                        f"({best_candidate['step_s']:.4g} s), is {gain:.1%} ahead of the default "
                        f"{_describe(settings, fusion)}: inside the model's error ({margin:.0%}), so the default stays")
+    if settings.get("cross_iteration") is False:
+        reasons.append(f"commsched's best here is DDP's own shape, {_describe(settings, fusion)} "
+                       f"({best.step_time_s:.4g} s against {ddp.strategy}'s {ddp.step_time_s:.4g} s): a few large "
+                       "collectives and one wait in step(), nothing to schedule; SchedulerConfig(ordering=\"auto\") "
+                       "measures it among its start points")
     helps = speedup >= 1.03
     return {"helps": helps, "expected_speedup_vs_ddp": speedup, "best_ddp": ddp.strategy,
             "best_ddp_step_s": ddp.step_time_s, "commsched_step_s": best.step_time_s, "settings": settings,
@@ -611,6 +636,11 @@ def _default_candidate(profile: Profile, topology: Topology, default: dict[str, 
     ordering = default.get("ordering", "dynamic")
     if ordering not in ("fifo", "dynamic", "static"):  # auto, planned: the runtime setting they start from
         ordering = "dynamic"
+    if ordering == "fifo" and default.get("cross_iteration") is False:  # the synchronous path: DDP's shape
+        s = SimSettings(fusion_bytes=int(default.get("fusion_bytes", fusion)))
+        chosen = {"ordering": "fifo", "cross_iteration": False, "fusion_bytes": s.fusion_bytes}
+        found = next((c for c in simulated if c[1] == chosen), None)
+        return found if found is not None else (simulate(profile, topology, "sync", s), chosen, s)
     if ordering == "fifo":
         chosen, s = {"ordering": "fifo"}, SimSettings(fusion_bytes=fusion)
     else:
@@ -626,7 +656,8 @@ def _describe(settings: dict[str, Any], fusion: int) -> str:
     from commsched.tuner import UNLIMITED_BYTES, Settings
 
     return Settings(settings["ordering"], settings.get("partition_bytes", UNLIMITED_BYTES),
-                    settings.get("credit_bytes", UNLIMITED_BYTES), fusion).describe()
+                    settings.get("credit_bytes", UNLIMITED_BYTES), settings.get("fusion_bytes", fusion),
+                    cross_iteration=settings.get("cross_iteration", True)).describe()
 
 
 def add_advise_arguments(p: argparse.ArgumentParser) -> None:

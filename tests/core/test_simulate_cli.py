@@ -115,6 +115,39 @@ def test_advise_departs_from_the_default_only_for_a_gain_beyond_the_models_error
     assert plain["margin"] == 0.05 and plain["default"]["settings"]["partition_bytes"] == 4 * MB
 
 
+def _small_tensors(submit_s: float) -> Profile:
+    """40 layers of 256 KiB gradients, each submitted task costing the training thread ``submit_s``."""
+    layers = tuple(LayerProfile(f"l{i}", 0.002, 0.004, (TensorSpec(f"l{i}.w", (256 << 10) // 4),), apply_s=0.0001)
+                   for i in range(40))
+    return Profile(layers=layers, per_grad_hook_s=20e-6, per_task_submit_s=submit_s)
+
+
+def test_advise_recommends_ddps_shape_where_communication_is_free_and_each_launch_costs():
+    fast = Topology.emulated(2, None, "100gbit")
+    out = advise(_small_tensors(2e-3), fast)  # 40 launches of 2 ms against one 25 MiB collective
+    assert out["settings"] == {"ordering": "fifo", "cross_iteration": False, "fusion_bytes": 25 * MB}, out
+    assert out["kept_default"] is False and out["helps"] is False  # DDP's shape: nothing to schedule
+    assert any("DDP's own shape" in r and "synchronous" in r for r in out["reasons"])
+    # without the launch cost nothing separates them by more than the model's error: the default stays
+    cheap = advise(_small_tensors(0.0), fast)
+    assert cheap["settings"].get("cross_iteration", True) is True and cheap["kept_default"] is True
+    # where the link is slow the pieces must overlap the backward: never the synchronous path
+    slow = advise(_small_tensors(2e-3), Topology.emulated(2, None, "200mbit"))
+    assert slow["settings"].get("cross_iteration", True) is True
+    assert slow["default"]["step_s"] > out["commsched_step_s"]
+
+
+def test_the_tuner_starts_from_ddps_shape_where_the_model_advises_it():
+    from commsched.tuner import DDP_BUCKET_BYTES, Settings, model_starts
+
+    found = model_starts(_small_tensors(2e-3), Topology.emulated(2, None, "100gbit"), 256 << 10,
+                         plan_time_limit_s=1.0)
+    advised = next(s for s in found.starts if s.ordering != "planned")
+    assert advised == Settings("fifo", advised.partition_bytes, advised.credit_bytes, DDP_BUCKET_BYTES,
+                               cross_iteration=False), found.notes
+    assert "synchronous" in found.notes[0]
+
+
 def test_advise_names_the_tied_embedding_split_where_the_first_layer_is_large_and_ready_last():
     layers = (LayerProfile("wte", 0.001, 0.002, tensors=(TensorSpec("wte.weight", 6_000_000, 4),)),
               *(LayerProfile(f"block{i}", 0.01, 0.02, tensors=(TensorSpec(f"block{i}.w", 1_000_000, 4),))
