@@ -143,13 +143,34 @@ def test_priority_and_partition_on_one_link_is_earliest_due_date_order():
     assert first == _edd_reference(ready, list(range(len(sizes))), sizes, piece, 1 / ring)
 
 
-def test_ddp_sends_buckets_in_reverse_order_with_a_small_first_bucket():
+def test_ddp_sends_buckets_in_reverse_order_closing_each_once_it_holds_its_limit():
+    # torch 2.13's rule (_compute_bucket_assignment_by_size, measured with a comm hook): a tensor
+    # joins the open bucket, which closes once it holds at least its limit
     prof = profile_of([10, 10, 0.5, 0.25])  # the last layers are ready first
     result = simulate(prof, flat(), "ddp", SimSettings(ddp_bucket_bytes=25 * MB, ddp_first_bucket_bytes=MB))
     buckets = [e for e in result.trace if e.get("tid") == 1]
     sizes = [e["args"]["bytes"] for e in buckets[:2]]
-    assert sizes == [int(0.75 * MB), 20 * MB]  # 0.25 + 0.5 MB under the 1 MiB first cap, then 10 + 10 under 25
+    assert sizes == [int(10.75 * MB), 10 * MB]  # 0.25 + 0.5 + 10 reach the 1 MiB first limit; then 10 alone
     assert result.pieces_per_step == 2
+    # ddp:<MB> (bucket_cap_mb given): every bucket's limit is the cap, no small first bucket
+    capped = simulate(profile_of([1, 1, 1, 1, 1]), flat(), "ddp:2")
+    sizes = [e["args"]["bytes"] for e in capped.trace if e.get("tid") == 1][:3]
+    assert sizes == [2 * MB, 2 * MB, MB]
+
+
+def test_ddp_buckets_match_torchs_own_assignment():
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    from commsched.costmodel.simulator import _ddp_buckets
+
+    mbs = [0.3, 2.4, 0.01, 1.2, 0.004, 0.8, 3.0, 0.05]
+    prof = profile_of(mbs)
+    ready = [t for layer in reversed(prof.layers) for t in reversed(layer.tensors)]
+    for first, cap in ((MB, 25 * MB), (MB, MB), (4 * MB, 4 * MB)):
+        ours = [[t.name for _, t in b] for b in _ddp_buckets(prof, first, cap)]
+        indices, _ = dist._compute_bucket_assignment_by_size([torch.empty(t.nbytes // 4) for t in ready],
+                                                            [first, cap])
+        assert ours == [[ready[i].name for i in b] for b in indices], (first, cap)
 
 
 def test_cross_iteration_hides_communication_that_ddp_exposes_when_layer0_is_small():
