@@ -560,8 +560,7 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
         chosen = {"ordering": "dynamic", "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
         candidates.append((simulate(profile, topology, "dynamic", s), chosen, s))
     for f_mb in sync_fusion_mb:
-        s = SimSettings(fusion_bytes=int(f_mb * MB))
-        chosen = {"ordering": "fifo", "cross_iteration": False, "fusion_bytes": s.fusion_bytes}
+        chosen, s = _sync_candidate(int(f_mb * MB))
         candidates.append((simulate(profile, topology, "sync", s), chosen, s))
     best, settings, best_sim = min(candidates, key=lambda c: c[0].step_time_s)
     usual = _default_candidate(profile, topology, default, fusion, candidates)
@@ -636,19 +635,23 @@ def _default_candidate(profile: Profile, topology: Topology, default: dict[str, 
     ordering = default.get("ordering", "dynamic")
     if ordering not in ("fifo", "dynamic", "static"):  # auto, planned: the runtime setting they start from
         ordering = "dynamic"
+    kind = ordering
     if ordering == "fifo" and default.get("cross_iteration") is False:  # the synchronous path: DDP's shape
-        s = SimSettings(fusion_bytes=int(default.get("fusion_bytes", fusion)))
-        chosen = {"ordering": "fifo", "cross_iteration": False, "fusion_bytes": s.fusion_bytes}
-        found = next((c for c in simulated if c[1] == chosen), None)
-        return found if found is not None else (simulate(profile, topology, "sync", s), chosen, s)
-    if ordering == "fifo":
+        kind, (chosen, s) = "sync", _sync_candidate(int(default.get("fusion_bytes", fusion)))
+    elif ordering == "fifo":
         chosen, s = {"ordering": "fifo"}, SimSettings(fusion_bytes=fusion)
     else:
         s = SimSettings(partition_bytes=int(default["partition_bytes"]), credit_bytes=int(default["credit_bytes"]),
                         fusion_bytes=fusion)
         chosen = {"ordering": ordering, "partition_bytes": s.partition_bytes, "credit_bytes": s.credit_bytes}
     found = next((c for c in simulated if c[1] == chosen), None)
-    return found if found is not None else (simulate(profile, topology, ordering, s), chosen, s)
+    return found if found is not None else (simulate(profile, topology, kind, s), chosen, s)
+
+
+def _sync_candidate(fusion_bytes: int) -> tuple[dict[str, Any], SimSettings]:
+    """DDP's shape with ``fusion_bytes`` of fusion, as an advice's settings and the simulator's (strategy ``sync``)."""
+    return ({"ordering": "fifo", "cross_iteration": False, "fusion_bytes": fusion_bytes},
+            SimSettings(fusion_bytes=fusion_bytes))
 
 
 def _describe(settings: dict[str, Any], fusion: int) -> str:

@@ -128,6 +128,10 @@ def test_advise_recommends_ddps_shape_where_communication_is_free_and_each_launc
     assert out["settings"] == {"ordering": "fifo", "cross_iteration": False, "fusion_bytes": 25 * MB}, out
     assert out["kept_default"] is False and out["helps"] is False  # DDP's shape: nothing to schedule
     assert any("DDP's own shape" in r and "synchronous" in r for r in out["reasons"])
+    # a user already on DDP's shape: their default is simulated on the synchronous path, and kept
+    same = advise(_small_tensors(2e-3), fast, default=out["settings"])
+    assert same["default"]["settings"] == out["settings"] and same["kept_default"] is True
+    assert same["default"]["step_s"] == pytest.approx(out["commsched_step_s"])
     # without the launch cost nothing separates them by more than the model's error: the default stays
     cheap = advise(_small_tensors(0.0), fast)
     assert cheap["settings"].get("cross_iteration", True) is True and cheap["kept_default"] is True
