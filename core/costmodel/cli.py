@@ -317,6 +317,34 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / len(pairs)
 
 
+def resolved_pairs(rounds: dict[str, list[float]], measured: dict[str, float],
+                   predicted: dict[str, float]) -> dict[str, Any] | None:
+    """The pairs of strategies the measurement itself orders, and whether the model orders them so.
+
+    ``rounds``: each strategy's median step per round of one ``commsched bench --rounds`` run (paired:
+    round k of every strategy ran in the same stretch of time). A pair is *resolved* when every round
+    puts it in the same order, and the medians of the rounds agree with it; the rest the run cannot
+    order, and a model that gets them "wrong" only disagrees with noise. A diagnostic beside τ, not a
+    replacement for it: with three rounds a pair of equal strategies still looks resolved one time in
+    four. None with fewer than two rounds of every strategy."""
+    names = [s for s in predicted if s in measured and len(rounds.get(s, ())) >= 2]
+    if len(names) < len(predicted):
+        return None
+    resolved, discordant = [], []
+    for a, b in itertools.combinations(names, 2):
+        n = min(len(rounds[a]), len(rounds[b]))
+        signs = {(x > y) - (x < y) for x, y in zip(rounds[a][:n], rounds[b][:n], strict=True)}
+        order = (measured[a] > measured[b]) - (measured[a] < measured[b])
+        if signs != {order} or order == 0:
+            continue
+        resolved.append([a, b])
+        guess = (predicted[a] > predicted[b]) - (predicted[a] < predicted[b])
+        if guess != order:
+            discordant.append([a, b])
+    return {"pairs": len(names) * (len(names) - 1) // 2, "resolved": resolved, "discordant": discordant,
+            "kendall_tau": (len(resolved) - 2 * len(discordant)) / len(resolved) if resolved else None}
+
+
 def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="comm-heavy,balanced,compute-heavy,gpt2")
     p.add_argument("--bandwidths", default="1gbit,500mbit")
@@ -416,7 +444,10 @@ def run_validate(args: argparse.Namespace) -> int:
                 errors = ", ".join(f"{s} {e:+.1%}" for s, e in row["error"].items())
                 drift = row["profile_drift"]
                 drift = "" if drift is None else f"; bench compute {drift:+.1%} against the profile"
-                bar.note(f"{head}: errors {errors}; tau {row['kendall_tau']:.2f}{drift}")
+                pairs = row["resolved_pairs"]
+                pairs = "" if pairs is None else (f" ({len(pairs['resolved'])} of {pairs['pairs']} pairs resolved by "
+                                                  f"every round, {len(pairs['discordant'])} of them misordered)")
+                bar.note(f"{head}: errors {errors}; tau {row['kendall_tau']:.2f}{pairs}{drift}")
             else:
                 bar.note(f"{head}: {row['status']} (exit {row['returncode']}; log {row['log']})")
     ok = [r for r in rows if r["status"] == "ok"]
@@ -429,6 +460,10 @@ def run_validate(args: argparse.Namespace) -> int:
                    [v for r in ok for v in r["measured_iqr_relative"].values() if v is not None]),
                "points_predicted_within_measured_iqr": sum(v for r in ok
                                                            for v in r["predicted_within_measured_iqr"].values()),
+               # the pairs every round of the bench ordered the same way, and those the model orders otherwise
+               "resolved_pairs": sum(len(r["resolved_pairs"]["resolved"]) for r in ok if r.get("resolved_pairs")),
+               "resolved_pairs_discordant": sum(len(r["resolved_pairs"]["discordant"])
+                                                for r in ok if r.get("resolved_pairs")),
                "targets": {"mean_abs_error": 0.05, "max_abs_error": 0.10, "kendall_tau": 0.8},
                **_pooled_summary(ok),
                "topology_source": args.topology_source}
@@ -462,6 +497,8 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
     results = [r for r in report["results"] if r["status"] == "ok"]
     bench_compute = (report.get("baseline") or {}).get("compute_s")
     measured = {r["strategy"]: r["step_time_s"] for r in results}
+    rounds = {r["strategy"]: [x["step_time_s"] for x in r.get("rounds") or [] if x.get("status") == "ok"]
+              for r in results}
     others = []  # the same configuration measured by earlier runs (--other-runs)
     for other_dir in [d.strip() for d in args.other_runs.split(",") if d.strip()]:
         other_json = os.path.join(other_dir, f"bench-{tag}.json")
@@ -514,7 +551,8 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
             "predicted_within_measured_iqr": within, "profile_comm_contention": profile.comm_contention,
             "profile_drift": drift, "compute_rescaled": rescaled,
             "profile_contention": profile.contention,
-            "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names])}
+            "kendall_tau": kendall_tau([measured[s] for s in names], [predicted[s] for s in names]),
+            "resolved_pairs": resolved_pairs(rounds, measured, predicted)}
 
 
 # ------------------------------------------------------------------ advise

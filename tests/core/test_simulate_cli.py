@@ -169,6 +169,28 @@ def test_kendall_tau_counts_concordant_pairs():
         kendall_tau([1], [1, 2])
 
 
+def test_resolved_pairs_are_those_every_round_orders_alike_and_count_the_model_s_misorders():
+    from commsched.costmodel.cli import resolved_pairs
+    rounds = {"ddp": [1.0, 1.1, 1.0], "ddp:4": [0.9, 1.0, 0.95], "fifo": [0.8, 1.2, 0.9], "dynamic": [0.5, 0.6, 0.55]}
+    measured = {"ddp": 1.0, "ddp:4": 0.95, "fifo": 0.9, "dynamic": 0.55}
+    # the model puts ddp:4 behind ddp (a pair every round orders the other way) and fifo last (fifo's rounds
+    # cross ddp's and ddp:4's: those pairs are the run's noise, not the model's error)
+    predicted = {"ddp": 0.9, "ddp:4": 1.0, "fifo": 1.1, "dynamic": 0.5}
+    out = resolved_pairs(rounds, measured, predicted)
+    assert out["pairs"] == 6
+    assert sorted(map(tuple, out["resolved"])) == [("ddp", "ddp:4"), ("ddp", "dynamic"), ("ddp:4", "dynamic"),
+                                                   ("fifo", "dynamic")]
+    assert out["discordant"] == [["ddp", "ddp:4"]] and out["kendall_tau"] == pytest.approx((4 - 2) / 4)
+    # plain tau counts the two unresolved pairs against the model as well: 3 of 6 pairs misordered
+    assert kendall_tau(list(measured.values()), list(predicted.values())) == pytest.approx(0.0)
+    # one round (or a strategy without rounds) cannot resolve anything
+    assert resolved_pairs({s: v[:1] for s, v in rounds.items()}, measured, predicted) is None
+    assert resolved_pairs({}, measured, predicted) is None
+    # a median that disagrees with every round's order leaves the pair unresolved
+    out = resolved_pairs({"a": [1.0, 1.0], "b": [2.0, 2.0]}, {"a": 3.0, "b": 2.0}, {"a": 1.0, "b": 2.0})
+    assert out["resolved"] == [] and out["kendall_tau"] is None
+
+
 def test_the_validation_grid_is_workloads_by_bandwidths_by_topologies():
     class A:
         workloads, bandwidths, topologies = "a,b", "1gbit,500mbit", "2,4x2"
@@ -188,10 +210,12 @@ def test_the_seed_table_shows_seconds_for_70b_on_100gbit_and_what_its_claim_woul
     assert "185.0 ms" in out and "1/" in out and "consistent: gpt-7b" in out
 
 
-def _bench(directory, tag, times, spread=0.05, compute_s=None):
+def _bench(directory, tag, times, spread=0.05, compute_s=None, rounds=None):
     directory.mkdir(exist_ok=True)
     results = [{"strategy": s, "status": "ok", "step_time_s": t, "step_time_p25_s": t * (1 - spread),
-                "step_time_p75_s": t * (1 + spread)} for s, t in times.items()]
+                "step_time_p75_s": t * (1 + spread),
+                **({"rounds": [{"round": k + 1, "status": "ok", "step_time_s": x} for k, x in enumerate(rounds[s])]}
+                   if rounds else {})} for s, t in times.items()]
     report = {"results": results, **({"baseline": {"compute_s": compute_s}} if compute_s else {})}
     (directory / f"bench-{tag}.json").write_text(json.dumps(report))
 
@@ -245,6 +269,15 @@ def test_validate_reads_the_measured_spread_and_other_runs_of_the_same_configura
     row = _validate_one(args, cfg, "w-1gbit-2x2", strategies, SimSettings(), None,
                         lambda *a, **k: prof, lambda what: None)
     assert row["status"] == "ok" and row["error"]["ddp"] == pytest.approx(-0.1)
+    assert row["resolved_pairs"] is None
+    # with the rounds of the report: ddp slower than dynamic in each, and the model says so too
+    _bench(tmp_path / "now", "w-1gbit-2x2", {"ddp": pred["ddp"] / 0.9, "dynamic": pred["dynamic"]},
+           rounds={"ddp": [2.0, 2.1, 2.2], "dynamic": [1.0, 1.1, 1.2]})
+    row = _validate_one(args, cfg, "w-1gbit-2x2", strategies, SimSettings(), None,
+                        lambda *a, **k: prof, lambda what: None)
+    concordant = pred["ddp"] > pred["dynamic"]
+    assert row["resolved_pairs"]["resolved"] == [["ddp", "dynamic"]]
+    assert row["resolved_pairs"]["discordant"] == ([] if concordant else [["ddp", "dynamic"]])
     assert row["predicted_within_measured_iqr"] == {"ddp": False, "dynamic": True}
     assert row["measured_iqr_relative"]["ddp"] == pytest.approx(0.1)
     assert row["run_to_run"]["ddp"] == [pytest.approx(-0.1)] and row["run_to_run"]["dynamic"] == [pytest.approx(0.2)]
@@ -284,5 +317,6 @@ def test_validate_benches_with_rounds_and_refuses_fewer_than_one(tmp_path, capsy
                                  "w-1gbit-2x2", ["ddp", "dynamic"], SimSettings(), None,
                                  lambda *a, **k: prof, lambda what: None)
     assert row["status"] == "ok" and row["measured_s"] == {"ddp": 0.5, "dynamic": 0.4}
+    assert row["resolved_pairs"] is None  # a report without rounds resolves no pair
     cmd = seen[0]
     assert cmd[cmd.index("--rounds") + 1] == "3" and cmd[cmd.index("--strategies") + 1] == "ddp,dynamic"
