@@ -203,9 +203,42 @@ def test_every_decision_logs_one_line(caplog):
     assert any("stop" in r.getMessage() for r in lines)
 
 
-def test_spread_is_half_the_iqr_with_a_floor():
+def test_spread_is_half_the_iqr_at_four_periods_shrinking_with_more_and_has_a_floor():
     assert spread([1.0, 1.0, 1.0, 1.0]) == pytest.approx(0.005)
-    assert spread([1.0, 1.2, 1.4, 1.6, 1.8]) == pytest.approx(0.2)
+    assert spread([1.0, 1.2, 1.4, 1.6]) == pytest.approx(0.15)
+    assert spread([1.0, 1.2, 1.4, 1.6, 1.8]) == pytest.approx(0.2 * (4 / 5) ** 0.5)
+    # the same periods twice: the same IQR, a surer median
+    assert spread([1.0, 1.2, 1.4, 1.6] * 4) == pytest.approx(spread([1.0, 1.2, 1.4, 1.6]) / 2, rel=0.15)
+    assert spread([1.0, 1.4]) == pytest.approx(0.2)  # fewer than four: half the range
+
+
+def test_a_noisy_incumbent_is_measured_again_rather_than_outliving_faster_settings():
+    """The first start's steps alternate fast and slow (its median 0.30 s, its spread 15 %: one
+    sample), while plain fifo runs a steady 0.27 s, 10 % faster, but not by the incumbent's spread.
+    The incumbent is measured again, its pooled median is surer, and fifo replaces it."""
+    bimodal = {"n": 0}
+
+    def objective(s):
+        if s == DEFAULT:
+            bimodal["n"] += 1
+            return 0.255 if bimodal["n"] % 2 else 0.345
+        return 0.270
+
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=12)
+    out = drive(tuner, objective, 400, noise=0.01)
+    verdicts = [h.get("verdict") for h in tuner.history]
+    assert verdicts[:2] == ["first incumbent", "inconclusive: re-measuring the incumbent"], verdicts
+    assert verdicts[2] == "incumbent measured again: pooled" and tuner.history[2]["settings"] == DEFAULT.to_dict()
+    assert tuner.incumbent == FIFO_PLAIN and out["running"] == FIFO_PLAIN, verdicts
+    # at most remeasure_samples samples of the incumbent, then the plain rule
+    assert sum(h.get("settings") == DEFAULT.to_dict() for h in tuner.history) <= tuner.remeasure_samples
+
+
+def test_a_slower_or_equal_setting_never_makes_the_incumbent_measured_again():
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=6)
+    drive(tuner, lambda s: 0.110 if s == FIFO_PLAIN else 0.100, 200, noise=0.02)
+    verdicts = [h.get("verdict") for h in tuner.history]
+    assert "inconclusive: re-measuring the incumbent" not in verdicts and tuner.incumbent == DEFAULT, verdicts
 
 
 def test_search_space_refuses_bad_choices_naming_them():
