@@ -89,7 +89,8 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
               "cpu_busy", "cpu_steal", "plan")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
-ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s")
+ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s",
+                   "profile_drift")
 #: Keys of ``calibration``, when it is not ``null``.
 CALIBRATION_KEYS = ("expected_regime", "measured_regime", "compute_over_comm", "matches", "calibrated",
                     "default_batch_size", "batch_size", "target_compute_over_comm", "trials", "method")
@@ -377,7 +378,9 @@ def round_plan(stats: Any) -> dict[str, Any] | None:
     predicted = info.get("predicted") or {}
     return {"digest": info.get("digest"), "predicted_step_s": predicted.get("step_time_s"),
             "groups": info.get("groups"), "pieces": info.get("pieces"), "credit_bytes": info.get("credit_bytes"),
-            "algorithms": info.get("algorithms"), "order": info.get("order"), "plan_s": info.get("plan_s")}
+            "algorithms": info.get("algorithms"), "order": info.get("order"), "plan_s": info.get("plan_s"),
+            # the cached profile's compute against this run's baseline, which the plan was scaled to (None: as cached)
+            "profile_drift": info.get("profile_drift")}
 
 
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
@@ -827,7 +830,9 @@ def rounds_table(results: list[dict]) -> list[str]:
                          f"{_fmt(plan['predicted_step_s'], '.3f')} s, measured {_fmt(x['step_time_s'], '.3f')} s; "
                          f"{plan['groups']} groups, {plan['pieces']} pieces, credit {_fmt(credit, '.2f')} MiB, "
                          f"{'/'.join(plan['algorithms'] or [])}"
-                         + (f", {plan['order']} order" if plan.get("order") else ""))
+                         + (f", {plan['order']} order" if plan.get("order") else "")
+                         + (f"; profile scaled {plan['profile_drift']:+.1%} to this run's compute"
+                            if plan.get("profile_drift") is not None else ""))
     return lines
 
 

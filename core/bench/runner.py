@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from commsched.bench.netns import Cluster, NetnsCluster
 from commsched.bench.procs import WorkerError, WorkerGroup, free_ports
-from commsched.bench.report import median
+from commsched.bench.report import median, summarize_baseline
 from commsched.bench.spec import StrategySpec, file_safe
 from commsched.progress import Progress
 
@@ -150,6 +150,9 @@ class Runner:
         self.log = log
         self.total_phases = 1 + len(config.strategies) * config.rounds + (2 if config.calibrate else 0)
         self._first = 0  # index of the baseline phase (after any calibration phases)
+        #: the baseline phase's compute (forward + backward + optimizer, every rank at once), once it ran:
+        #: strategies that model the step (planned) scale a cached profile to it (Profile.drift)
+        self.baseline_compute_s: float | None = None
         per_node = config.workers // config.nodes
         self.rank_nodes = [cluster.nodes[r // per_node] for r in range(config.workers)]
 
@@ -171,7 +174,7 @@ class Runner:
             "collective_timeout_s": c.collective_timeout_s,
             # the cluster as built, for strategies that model it (planned: profile and topology)
             "bandwidth": c.bandwidth, "intra_bandwidth": c.intra_bandwidth, "network": c.network,
-            "phase_timeout_s": c.phase_timeout_s,
+            "phase_timeout_s": c.phase_timeout_s, "baseline_compute_s": self.baseline_compute_s,
         }
 
     def run_phase(self, index: int, name: str, mode: str,
@@ -278,6 +281,11 @@ class Runner:
         rounds = self.config.rounds
         index = self._first
         baseline = self.run_phase(index, "baseline", "baseline")
+        if baseline.status == "ok":
+            try:
+                self.baseline_compute_s = summarize_baseline(baseline.ranks)["compute_s"]
+            except (KeyError, TypeError, ValueError):  # a worker that reports less: nothing to scale to
+                self.baseline_compute_s = None
         results: list[list[PhaseResult]] = [[] for _ in self.config.strategies]
         for round_index in range(rounds):
             for position, which in enumerate(round_order(len(self.config.strategies), round_index)):

@@ -523,8 +523,7 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
                               bandwidth=cfg["bandwidth"])
     # the machine's speed when the bench ran against when the profile was measured: the same
     # baseline (compute alone, all ranks at once), then and now
-    then = (profile.meta.get("bench_baseline") or {}).get("compute_s") or profile.compute_s - profile.step_overhead_s
-    drift = bench_compute / then - 1.0 if bench_compute and then > 0 else None
+    drift = profile.drift(bench_compute)
     rescaled = bool(getattr(args, "rescale_compute", False)) and drift is not None
     if rescaled:
         profile = profile.scaled(compute=1.0 + drift)

@@ -233,6 +233,15 @@ class Profile:
             out[i] = total if given is None else given
         return out
 
+    def drift(self, compute_s: float | None) -> float | None:
+        """How much slower (> 0) or faster the machine computes now than when this profile was measured:
+        ``compute_s`` (a bench's own baseline: forward + backward + optimizer of every rank at once, no
+        communication) against the same baseline the profiler took (``meta["bench_baseline"]``), or this
+        profile's compute without its per-step overhead where there is none (``opt.profile()``), minus 1.
+        None when either is unknown. ``scaled(compute=1 + drift)`` is the profile at today's speed."""
+        then = (self.meta.get("bench_baseline") or {}).get("compute_s") or self.compute_s - self.step_overhead_s
+        return compute_s / then - 1.0 if compute_s and then and then > 0 else None
+
     def scaled(self, *, compute: float = 1.0, grad: float = 1.0, source: str | None = None) -> "Profile":
         """The same model with compute times × ``compute`` and gradient sizes × ``grad`` (rounded to
         whole elements). How ``--tp``/``--pp`` shards are modelled: each data-parallel rank holds

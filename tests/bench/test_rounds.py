@@ -88,11 +88,11 @@ def test_the_median_of_rounds_and_a_speedup_paired_within_each_round():
     assert "Per round" in text and "| fast | 0.800 (1.25x, #2) | 1.200 (1.25x, #1)" in text
 
 
-def _planned(steps, rnd, digest, predicted):
+def _planned(steps, rnd, digest, predicted, drift=None):
     phase = _phase("planned", steps, rnd)
     plan = {"path": "/gone/plan.json", "digest": digest, "predicted": {"step_time_s": predicted}, "groups": 7,
             "pieces": 30, "credit_bytes": 2 << 20, "algorithms": ["ring"], "order": "fixed", "plan_s": 3.0,
-            "plan": {"digest": digest, "pieces": []}}
+            "plan": {"digest": digest, "pieces": []}, "profile_drift": drift}
     phase.ranks[0]["stats"] = {"plan_file": plan}
     return phase
 
@@ -101,7 +101,7 @@ def test_each_planned_round_keeps_the_plan_it_ran():
     # Round 2 ran another plan (the solver's time limit) and was slow: the report must show it.
     ddp = [_phase("ddp", [1.0] * 4, r) for r in range(3)]
     planned = [_planned([0.8] * 4, 0, "a" * 64, 0.79), _planned([1.3] * 4, 1, "b" * 64, 0.95),
-               _planned([0.81] * 4, 2, "a" * 64, 0.79)]
+               _planned([0.81] * 4, 2, "a" * 64, 0.79, drift=0.25)]
     report = _report([ddp, planned])
     p = report["results"][1]
     assert [x["plan"]["digest"][0] for x in p["rounds"]] == ["a", "b", "a"]
@@ -110,7 +110,11 @@ def test_each_planned_round_keeps_the_plan_it_ran():
     assert report["results"][0]["rounds"][0]["plan"] is None
     text = markdown(report)
     assert "- planned round 2: plan bbbbbbbbbbbb, predicted 0.950 s, measured 1.300 s; 7 groups, 30 pieces, " \
-           "credit 2.00 MiB, ring, fixed order" in text
+           "credit 2.00 MiB, ring, fixed order\n" in text
+    # a plan made from a cached profile scaled to the run's own baseline says by how much
+    assert p["rounds"][2]["plan"]["profile_drift"] == 0.25 and p["rounds"][0]["plan"]["profile_drift"] is None
+    assert "- planned round 3: plan aaaaaaaaaaaa, predicted 0.790 s, measured 0.810 s; 7 groups, 30 pieces, " \
+           "credit 2.00 MiB, ring, fixed order; profile scaled +25.0% to this run's compute" in text
 
 
 def test_a_failed_round_is_listed_warned_and_left_out_of_the_figures():
@@ -147,6 +151,8 @@ _WORKER = textwrap.dedent("""
     spec = json.load(open(a.spec))
     with open(os.path.join(os.path.dirname(spec["run_dir"]), "order.txt"), "a") as f:
         f.write(f"{spec['strategy']}\\n")
+    with open(os.path.join(os.path.dirname(spec["run_dir"]), "baseline.txt"), "a") as f:
+        f.write(f"{spec['baseline_compute_s']}\\n")
     with open(os.path.join(spec["run_dir"], f"rank{a.rank}.json"), "w") as f:
         json.dump({"ok": True, "strategy": spec["strategy"]}, f)
 """)
@@ -175,6 +181,31 @@ def test_the_runner_interleaves_rounds_in_rotated_order(tmp_path, monkeypatch):
         [("dynamic", "ok", 0, 2), ("dynamic", "ok", 1, 1)]]
     assert "[7/7] ddp (round 2/2): done" in log.getvalue()
     assert "[3/7] fifo (round 1/2): skipped: not here" in log.getvalue()
+
+
+def test_every_strategy_phase_is_told_the_baseline_s_compute(tmp_path, monkeypatch):
+    """What ``planned`` scales a cached profile to (Profile.drift): the baseline phase's compute, given
+    to every later phase's spec; None where the baseline's results do not have it."""
+    from commsched.bench import runner as bench_runner
+
+    (tmp_path / "fake_rounds_worker.py").write_text(_WORKER)
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None,
+                       strategies=parse_strategies("ddp,planned"), steps=1, warmup=0, batch_size=1,
+                       partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback", phase_timeout_s=60)
+    for summary, expected in (({"compute_s": 0.25}, "0.25"), (None, "None")):
+        def summarize(ranks, summary=summary):
+            if summary is None:
+                raise KeyError("forward_s")  # a worker that reports no baseline figures
+            return summary
+        monkeypatch.setattr(bench_runner, "summarize_baseline", summarize)
+        work = tmp_path / f"work-{expected}"
+        work.mkdir()
+        runner = Runner(config, LoopbackCluster(1), str(work), worker_module="fake_rounds_worker", log=io.StringIO())
+        runner.run_all()
+        # the baseline itself ran before it was known; ddp and planned after
+        assert (work / "baseline.txt").read_text().split() == ["None", expected, expected]
+        assert runner.baseline_compute_s == (0.25 if summary else None)
 
 
 def test_rounds_below_one_is_refused_naming_the_flag():

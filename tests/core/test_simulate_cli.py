@@ -220,6 +220,17 @@ def _bench(directory, tag, times, spread=0.05, compute_s=None, rounds=None):
     (directory / f"bench-{tag}.json").write_text(json.dumps(report))
 
 
+def test_a_profile_s_drift_is_today_s_baseline_against_its_own(tmp_path):
+    prof = Profile.from_json(_profile(tmp_path))
+    with_base = dataclasses.replace(prof, meta={**prof.meta, "bench_baseline": {"compute_s": 0.5}})
+    assert with_base.drift(0.6) == pytest.approx(0.2) and with_base.drift(0.4) == pytest.approx(-0.2)
+    assert with_base.drift(None) is None and with_base.drift(0.0) is None
+    bare = dataclasses.replace(prof, meta={}, step_overhead_s=0.01)  # opt.profile(): its own compute
+    assert bare.drift(1.0) == pytest.approx(1.0 / (bare.compute_s - 0.01) - 1)
+    scaled = with_base.scaled(compute=1 + with_base.drift(0.6))
+    assert scaled.compute_s == pytest.approx(with_base.compute_s * 1.2)
+
+
 @pytest.mark.parametrize("rescale", [False, True], ids=["as_profiled", "rescaled"])
 def test_validate_reports_the_machine_s_drift_since_the_profile_and_can_scale_the_profile_to_it(tmp_path, rescale):
     import argparse

@@ -302,6 +302,13 @@ def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False) -> dic
     topology_source = "probe (cached)" if topology is not None else "emulated (configured; run commsched probe)"
     if topology is None:
         topology = Topology.emulated(workers, nodes, bandwidth or "none", intra)
+    # a cached profile measured when the machine computed faster or slower than now: scaled to the compute
+    # this run's baseline measured (the same baseline the profiler took), so the plan and its prediction
+    # are for today's machine (measured 2026-12-05: 16-31 % drift, predictions -14..-24 % unscaled,
+    # -2.5..-8.4 % scaled; docs/planner.md)
+    drift = profile.drift(run_spec.get("baseline_compute_s"))
+    if drift is not None:
+        profile = profile.scaled(compute=1.0 + drift)
     if split_tied:
         profile = profile.with_tied_split()
     profiled = time.monotonic()
@@ -314,7 +321,7 @@ def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False) -> dic
             "algorithms": sorted({p.algorithm for p in plan.pieces}), "order": plan.order,
             "profile_s": profiled - started, "plan_s": time.monotonic() - profiled,
             "topology": topology_source, "topology_describe": topology.describe(),
-            "tied_split": list(profile.meta.get("tied_split", []))}
+            "tied_split": list(profile.meta.get("tied_split", [])), "profile_drift": drift}
 
 
 def bubble_list(stats: Any) -> list[float] | None:
