@@ -386,9 +386,11 @@ class Tuner:
                  extra_starts: tuple[Settings, ...] = (), sample_steps: int = 4, settle: int = 1,
                  max_samples: int = 20, min_gain: float = 0.02, patience: int = 4, drift: float = 0.05,
                  check_every: int = 50, seed: int = 0, remeasure_samples: int = 3) -> None:
-        if sample_steps < 2 or settle < 0 or max_samples < 1 or patience < 1 or check_every < sample_steps:
-            raise ValueError("Tuner: sample_steps >= 2, settle >= 0, max_samples >= 1, patience >= 1 and "
-                             "check_every >= sample_steps are required")
+        if (sample_steps < 2 or settle < 0 or max_samples < 1 or patience < 1 or check_every < sample_steps
+                or remeasure_samples < 1):
+            raise ValueError("Tuner: sample_steps >= 2, settle >= 0, max_samples >= 1, patience >= 1, "
+                             "check_every >= sample_steps and remeasure_samples >= 1 are required (1: an "
+                             "incumbent is never measured again to settle an inconclusive comparison)")
         self.space = space or SearchSpace()
         starts: list[Settings] = []
         for s in (start, *extra_starts):

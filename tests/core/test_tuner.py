@@ -234,6 +234,14 @@ def test_a_noisy_incumbent_is_measured_again_rather_than_outliving_faster_settin
     assert sum(h.get("settings") == DEFAULT.to_dict() for h in tuner.history) <= tuner.remeasure_samples
 
 
+def test_remeasure_samples_below_one_is_refused_and_one_turns_the_re_measure_off():
+    with pytest.raises(ValueError, match="remeasure_samples >= 1"):
+        Tuner(DEFAULT, remeasure_samples=0)
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=6, remeasure_samples=1)
+    drive(tuner, lambda s: (0.255 if random.random() < 0.5 else 0.345) if s == DEFAULT else 0.270, 200, noise=0.01)
+    assert "inconclusive: re-measuring the incumbent" not in [h.get("verdict") for h in tuner.history]
+
+
 def test_a_slower_or_equal_setting_never_makes_the_incumbent_measured_again():
     tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=6)
     drive(tuner, lambda s: 0.110 if s == FIFO_PLAIN else 0.100, 200, noise=0.02)
