@@ -486,11 +486,12 @@ class Tuner:
             record["verdict"] = "incumbent measured again: pooled"
         elif score < self.incumbent_score - max(noise, self.incumbent_spread):
             record["verdict"] = "better: confirm"
-        elif (score < self.incumbent_score - noise and self.incumbent_spread > noise
+        elif (score < self.incumbent_score - noise
               and len(self._incumbent_periods) < self.remeasure_samples * self.sample_steps
               and self.samples < self.max_samples):
-            # faster by more than its own noise, but not by the incumbent's: the incumbent's one noisy
-            # sample decides, so measure it again (its pooled median is surer) rather than keep it blind
+            # faster by more than its own noise (the branch above: not by the incumbent's, so that is the
+            # larger): the incumbent's noisy samples decide, so measure it again (its pooled median is
+            # surer) rather than keep it blind
             record["verdict"] = "inconclusive: re-measuring the incumbent"
         else:
             record["verdict"] = "not better"

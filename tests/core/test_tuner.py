@@ -6,6 +6,7 @@ exactly two steps after it was made (at the end of step k+1, so step k+2 runs it
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 
@@ -238,7 +239,8 @@ def test_remeasure_samples_below_one_is_refused_and_one_turns_the_re_measure_off
     with pytest.raises(ValueError, match="remeasure_samples >= 1"):
         Tuner(DEFAULT, remeasure_samples=0)
     tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=6, remeasure_samples=1)
-    drive(tuner, lambda s: (0.255 if random.random() < 0.5 else 0.345) if s == DEFAULT else 0.270, 200, noise=0.01)
+    alternating = itertools.cycle((0.255, 0.345))
+    drive(tuner, lambda s: next(alternating) if s == DEFAULT else 0.270, 200, noise=0.01)
     assert "inconclusive: re-measuring the incumbent" not in [h.get("verdict") for h in tuner.history]
 
 
