@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "handoff_from_times",
-           "link_excess_from_times", "load_json", "union_s",
+           "link_excess_from_times", "load_json", "piece_cost_fit", "union_s",
            "read_json", "steal_share", "write_json"]
 
 SCHEMA = "commsched-profile/1"
@@ -129,9 +130,10 @@ class Profile:
     once). 0 where not measured: then ``per_grad_hook_s`` is the mean of all hooks.
     ``per_piece_link_s``: the time a commsched piece holds the network beyond its closed form
     (the topology's α-β cost, times ``comm_contention``): where ranks share a machine's cores,
-    each collective's software steps wait for CPU. Measured by ``commsched profile`` in its
-    ``dynamic`` run (:func:`link_excess_from_times`) and charged only where the ranks outnumber
-    the machine's cores; 0 elsewhere and where not measured.
+    each collective's software steps wait for CPU. Measured by ``commsched profile`` in two short
+    ``dynamic`` runs whose pieces differ in size, as the slope of the network's busy time per piece
+    (:func:`piece_cost_fit`; one run's :func:`link_excess_from_times` where no slope can be fitted),
+    and charged only where the ranks outnumber the machine's cores; 0 elsewhere and where not measured.
     ``ranged``: the tensors whose update the runtime may run range by range while the next
     forward waits for their pieces (PyTorch's ranged apply: cross-iteration, an element-wise
     optimizer class on CPU whose state is shaped like the parameter); ``()`` none (on a GPU,
@@ -455,6 +457,39 @@ def link_excess_from_times(ranks: Sequence[dict[str, Any]], piece_cost: Callable
     return {"value": None if median is None else max(0.0, median), "steps": steps,
             "how": "median over steps of (union of the pieces' spans, last rank's issue to first rank's landing, "
                    "- pieces x closed form of the mean piece x comm_contention) / pieces, floored at 0"}
+
+
+def piece_cost_fit(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The network's cost per piece as the slope across piece sizes: ``runs`` are
+    :func:`link_excess_from_times` results (``comm_contention`` 1: ``model_s`` is the closed form
+    alone) of the same step cut into pieces of two sizes. Per run the median step's busy time,
+    closed form and pieces; then ``busy = m × closed + c × pieces`` solved over the two runs: ``c``
+    (``value``, floored at 0) is what one more piece holds the network beyond its closed form, ``m``
+    (``contention``) what stretches the bytes. One run's excess over its closed form × the
+    baseline's ``comm_contention`` (:func:`link_excess_from_times` alone) mixes the two: a
+    contention measured high for the step's flat all-reduce leaves no excess at all (measured:
+    2 × 2 ranks on 2 cores, gpt2 and comm-heavy 0 where balanced, on the same links, read 2.2 ms; the
+    bench's own rank-0 spans grew 3–4 ms for each piece more). ``None`` when a run has no step or
+    both cut the step into as many pieces (no slope to fit)."""
+    rows = []
+    for run in runs:
+        steps = run.get("steps") or []
+        if not steps:
+            return {"value": None, "contention": None, "runs": rows, "how": "a run without a step every rank recorded"}
+        rows.append({"pieces": statistics.median(s["pieces"] for s in steps),
+                     "busy_s": statistics.median(s["busy_s"] for s in steps),
+                     "model_s": statistics.median(s["model_s"] for s in steps), "steps": len(steps)})
+    if len(rows) != 2:
+        raise ValueError(f"piece_cost_fit needs two runs (two piece sizes), got {len(rows)}")
+    (n1, b1, k1), (n2, b2, k2) = ((r["pieces"], r["busy_s"], r["model_s"]) for r in rows)
+    det = k1 * n2 - k2 * n1
+    if n1 == n2 or abs(det) <= 1e-12 * max(k1 * n2, k2 * n1, 1e-300):
+        return {"value": None, "contention": None, "runs": rows, "how": "both runs had as many pieces a step"}
+    m = (b1 * n2 - b2 * n1) / det
+    c = (k1 * b2 - k2 * b1) / det
+    return {"value": max(0.0, c), "fitted_s": c, "contention": m, "runs": rows,
+            "how": "busy = m x closed form + c x pieces over the median steps of two runs with pieces of two "
+                   "sizes (union of the pieces' spans, last rank's issue to first rank's landing); c floored at 0"}
 
 
 def steal_share(ranks: int, cores: int) -> float:

@@ -58,6 +58,7 @@ from commsched.costmodel.profile import (
     TensorSpec,
     handoff_from_times,
     link_excess_from_times,
+    piece_cost_fit,
     steal_share,
 )
 
@@ -73,13 +74,20 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: Bump when what a cached profile means changes: older cache entries are then ignored
 #: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured;
 #: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s;
-#: 7: ``per_piece_link_s`` measured; 8: ``per_task_submit_s`` split from ``per_grad_hook_s``).
-CACHE_VERSION = 8
+#: 7: ``per_piece_link_s`` measured; 8: ``per_task_submit_s`` split from ``per_grad_hook_s``; 9: ``per_piece_link_s``
+#: the slope over two piece sizes).
+CACHE_VERSION = 9
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
 #: unmeasured; the scheduler keeps the issue times of its last 3 steps).
 HANDOFF_STEPS = 3
+#: Steps of ``dynamic`` with pieces of the run's piece size / :data:`SMALL_PIECES_DIVISOR` (at least
+#: :data:`SMALL_PIECES_MIN_BYTES`) whose network time, against the ``sched_cpu`` run's, gives the cost of
+#: a piece (after 2 unmeasured; the scheduler keeps the issue times of its last 3 steps).
+SMALL_PIECES_STEPS = 3
+SMALL_PIECES_DIVISOR = 4
+SMALL_PIECES_MIN_BYTES = 64 << 10
 
 
 # ----------------------------------------------------------------------------- recording
@@ -760,8 +768,11 @@ def _steal(ranks: list[dict[str, Any]], workers: int) -> tuple[float, dict[str, 
 
 def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, bandwidth: str | None,
                  intra_bandwidth: str | None, network: str, comm_contention: float) -> dict[str, Any]:
-    """``per_piece_link_s`` from the ranks' :func:`_sched_cpu_per_piece` steps: the network time per
-    piece beyond the closed form of the topology the simulator uses for these flags
+    """``per_piece_link_s``: the network time one piece more costs beyond the closed form of the
+    topology the simulator uses for these flags, the slope over the pieces of the ranks'
+    :func:`_sched_cpu_per_piece` steps and their :func:`_small_pieces_stats` steps
+    (:func:`~commsched.costmodel.profile.piece_cost_fit`); where no slope can be fitted, the first
+    run's excess over the closed form × ``comm_contention``
     (:func:`~commsched.costmodel.profile.link_excess_from_times`). Charged (``value``) only where
     the ranks outnumber the machine's cores, so a collective's every ring step waits for a core
     whether the model computes or not; with a core per rank the excess shows only beside compute,
@@ -771,12 +782,24 @@ def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, b
 
     topology = Topology.emulated(workers, nodes, "none" if network == "loopback" or not bandwidth else bandwidth,
                                  intra_bandwidth)
+
+    def cost(nbytes: float) -> float:
+        return allreduce_s(topology, nbytes)
     stats = [r.get("sched_cpu") or {} for r in ranks]
-    out = link_excess_from_times(stats, lambda nbytes: allreduce_s(topology, nbytes), comm_contention)
+    single = link_excess_from_times(stats, cost, comm_contention)
+    fit = None
+    if all(r.get("small_pieces") for r in ranks):
+        fit = piece_cost_fit([link_excess_from_times(stats, cost), link_excess_from_times(
+            [r["small_pieces"] for r in ranks], cost)])
+        fit["small_partition_bytes"] = ranks[0]["small_pieces"]["partition_bytes"]
+    measured = fit["value"] if fit is not None and fit["value"] is not None else single["value"]
     cores = _cores()
     charged = workers > cores
-    return dict(out, measured=out["value"], value=out["value"] if charged else None, charged=charged,
-                ranks_on_machine=workers, cores=cores, topology=topology.to_dict())
+    return dict(single, single_run=single["value"], fit=fit, measured=measured,
+                value=measured if charged else None, charged=charged, ranks_on_machine=workers, cores=cores,
+                topology=topology.to_dict(),
+                how=("the slope of the network's busy time per piece over two piece sizes (fit); one run's "
+                     "excess over the closed form x comm_contention (single_run) where no slope was fitted"))
 
 
 def _hook_split(hook_s: float, hooks: int, task_hook_s: float, task_hooks: int) -> tuple[float, float] | None:
@@ -895,6 +918,27 @@ def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: An
             "partition_bytes": piece_bytes}
 
 
+def _small_pieces_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any, piece_bytes: int,
+                        credit_bytes: int) -> dict[str, Any]:
+    """This rank's ``Scheduler.stats()`` orders and issue times over :data:`SMALL_PIECES_STEPS` steps of
+    ``dynamic`` with pieces of ``piece_bytes`` // :data:`SMALL_PIECES_DIVISOR` under the run's credit:
+    with the ``sched_cpu`` run's pieces, two sizes of piece over the same step, whose busy network
+    times give the cost of one piece more (:func:`~commsched.costmodel.profile.piece_cost_fit`)."""
+    from commsched.plugins.torch.bench import worker
+    from commsched.plugins.torch.bench.strategies import CommschedStrategy
+
+    small = max(SMALL_PIECES_MIN_BYTES, piece_bytes // SMALL_PIECES_DIVISOR)
+    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", small, credit_bytes, None)
+    try:
+        _train(strat, workload, x, y, 2)
+        _train(strat, workload, x, y, SMALL_PIECES_STEPS, progress, "small pieces")
+        sched = strat.stats().get("scheduler") or {}
+    finally:
+        strat.close()
+    return {"per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
+            "partition_bytes": small}
+
+
 def _worker_main(argv: list[str] | None = None) -> int:
     """One rank of a profile run (started by :func:`profile_workload` through the bench's runner)."""
     import torch.distributed as dist
@@ -921,6 +965,9 @@ def _worker_main(argv: list[str] | None = None) -> int:
         result["sched_cpu"] = _sched_cpu_per_piece(spec, rank, wl, model, x, y, progress)
         dist.barrier()
         result["handoff"] = _handoff_stats(wl, model, x, y, progress, spec["partition_bytes"])
+        dist.barrier()
+        result["small_pieces"] = _small_pieces_stats(wl, model, x, y, progress, spec["partition_bytes"],
+                                                     spec["credit_bytes"])
         dist.barrier()
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
         import traceback
@@ -1023,6 +1070,14 @@ def format_profile(prof: Profile) -> str:
     if handoff and handoff.get("pairs"):
         rows.append(f"hand-off with one piece in flight: the link idles {prof.handoff_s * 1e3:.2f} ms a piece "
                     f"(mean of {handoff['pairs']}; p50 {handoff['p50'] * 1e3:.2f}, p90 {handoff['p90'] * 1e3:.2f} ms)")
+    link = prof.meta.get("link_excess")
+    if link and link.get("measured") is not None:
+        fit = link.get("fit") or {}
+        how = (f"slope over pieces of two sizes, bytes stretched {fit['contention']:.2f}x"
+               if fit.get("value") is not None else "one run's excess over the closed form")
+        rows.append(f"the network: {link['measured'] * 1e3:.2f} ms a piece beyond the closed form ({how}); "
+                    + ("charged" if link.get("charged") else
+                       f"not charged ({link['ranks_on_machine']} ranks on {link['cores']} cores)"))
     if prof.per_grad_hook_s:
         tensors = sum(len(layer.tensors) for layer in prof.layers)
         rows.append(f"commsched's gradient hook: {prof.per_grad_hook_s * 1e6:.0f} us a gradient on the training "

@@ -343,6 +343,31 @@ def test_link_excess_from_times_is_the_union_of_the_collectives_spans_beyond_the
         link_excess([lead], cost, 0.5)
 
 
+def _run(pieces, model_s, busy_s):
+    return {"steps": [{"step": float(i), "pieces": float(pieces), "busy_s": b, "model_s": model_s,
+                       "excess_per_piece_s": (b - model_s) / pieces} for i, b in enumerate(busy_s)]}
+
+
+def test_piece_cost_fit_is_the_slope_per_piece_apart_from_what_stretches_the_bytes():
+    fit = profile_module.piece_cost_fit
+    # the same 1.0 s of closed form cut into 77 and into 280 pieces (a closed form of more pieces is
+    # longer: each pays alpha); busy = 1.2 x closed + 3 ms x pieces, the median step of three
+    big = _run(77, 1.0, [1.2 + 0.231 - 0.05, 1.2 + 0.231, 1.2 + 0.231 + 0.3])
+    small = _run(280, 1.1, [1.32 + 0.84, 1.32 + 0.84 + 0.01, 1.32 + 0.84 - 0.2])
+    out = fit([big, small])
+    assert out["value"] == pytest.approx(0.003) and out["contention"] == pytest.approx(1.2)
+    assert [r["pieces"] for r in out["runs"]] == [77, 280]
+    # the order of the runs does not matter; a negative slope is floored at 0 (and kept as fitted)
+    assert fit([small, big])["value"] == pytest.approx(0.003)
+    fewer_cost_more = fit([_run(77, 1.0, [2.0]), _run(280, 1.1, [1.9])])
+    assert fewer_cost_more["value"] == 0.0 and fewer_cost_more["fitted_s"] < 0
+    # no slope: as many pieces in both runs, or a run without a step
+    assert fit([_run(16, 1.0, [1.2]), _run(16, 1.0, [1.3])])["value"] is None
+    assert fit([big, {"steps": []}])["value"] is None
+    with pytest.raises(ValueError, match="two runs"):
+        fit([big])
+
+
 def test_the_link_excess_holds_the_network_for_every_commsched_piece_and_no_ddp_bucket():
     prof, topo = profile_of([8, 8]), flat()  # comm-bound: 16 pieces of 1 MiB under dynamic
     slow = dataclasses.replace(prof, per_piece_link_s=0.01)

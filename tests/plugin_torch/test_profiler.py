@@ -284,6 +284,10 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     link = prof.meta["link_excess"]
     assert link["steps"] and all(s["pieces"] > 0 and s["busy_s"] > 0 for s in link["steps"])
     assert prof.per_piece_link_s == (link["value"] or 0.0) >= 0.0
+    # ... the slope over a second run with pieces a quarter the size, where it has a slope to fit
+    fit = link["fit"]
+    assert fit is not None and fit["small_partition_bytes"] == max(64 << 10, (1 << 20) // 4)
+    assert link["measured"] == (fit["value"] if fit["value"] is not None else link["single_run"])
     assert link["charged"] == (2 > link["cores"]) and (link["charged"] or prof.per_piece_link_s == 0.0)
     cached = list(tmp_path.glob("tiny-*.json"))
     assert len(cached) == 1
