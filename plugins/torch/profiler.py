@@ -899,18 +899,17 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
             "task_hook_s": hooks[2], "task_hooks": hooks[3]}
 
 
-def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any,
-                   piece_bytes: int) -> dict[str, Any]:
-    """This rank's ``Scheduler.stats()`` orders and issue times over :data:`HANDOFF_STEPS` steps of
-    ``dynamic`` with one piece in flight (pieces of ``piece_bytes`` under a credit of one piece), for
-    :func:`~commsched.costmodel.profile.handoff_from_times` over all ranks."""
+def _short_dynamic_run(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any, piece_bytes: int,
+                       credit_bytes: int, steps: int, label: str) -> dict[str, Any]:
+    """This rank's ``Scheduler.stats()`` orders and issue times over ``steps`` steps (after 2 unmeasured)
+    of ``dynamic`` with pieces of ``piece_bytes`` under a credit of ``credit_bytes``."""
     from commsched.plugins.torch.bench import worker
     from commsched.plugins.torch.bench.strategies import CommschedStrategy
 
-    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", piece_bytes, piece_bytes, None)
+    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", piece_bytes, credit_bytes, None)
     try:
         _train(strat, workload, x, y, 2)
-        _train(strat, workload, x, y, HANDOFF_STEPS, progress, "hand-off")
+        _train(strat, workload, x, y, steps, progress, label)
         sched = strat.stats().get("scheduler") or {}
     finally:
         strat.close()
@@ -918,25 +917,23 @@ def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: An
             "partition_bytes": piece_bytes}
 
 
+def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any,
+                   piece_bytes: int) -> dict[str, Any]:
+    """:func:`_short_dynamic_run` of :data:`HANDOFF_STEPS` steps with one piece in flight (pieces of
+    ``piece_bytes`` under a credit of one piece), for
+    :func:`~commsched.costmodel.profile.handoff_from_times` over all ranks."""
+    return _short_dynamic_run(workload, model, x, y, progress, piece_bytes, piece_bytes, HANDOFF_STEPS, "hand-off")
+
+
 def _small_pieces_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any, piece_bytes: int,
                         credit_bytes: int) -> dict[str, Any]:
-    """This rank's ``Scheduler.stats()`` orders and issue times over :data:`SMALL_PIECES_STEPS` steps of
-    ``dynamic`` with pieces of ``piece_bytes`` // :data:`SMALL_PIECES_DIVISOR` under the run's credit:
-    with the ``sched_cpu`` run's pieces, two sizes of piece over the same step, whose busy network
-    times give the cost of one piece more (:func:`~commsched.costmodel.profile.piece_cost_fit`)."""
-    from commsched.plugins.torch.bench import worker
-    from commsched.plugins.torch.bench.strategies import CommschedStrategy
-
+    """:func:`_short_dynamic_run` of :data:`SMALL_PIECES_STEPS` steps with pieces of ``piece_bytes`` //
+    :data:`SMALL_PIECES_DIVISOR` under the run's credit: with the ``sched_cpu`` run's pieces, two sizes of
+    piece over the same step, whose busy network times give the cost of one piece more
+    (:func:`~commsched.costmodel.profile.piece_cost_fit`)."""
     small = max(SMALL_PIECES_MIN_BYTES, piece_bytes // SMALL_PIECES_DIVISOR)
-    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", small, credit_bytes, None)
-    try:
-        _train(strat, workload, x, y, 2)
-        _train(strat, workload, x, y, SMALL_PIECES_STEPS, progress, "small pieces")
-        sched = strat.stats().get("scheduler") or {}
-    finally:
-        strat.close()
-    return {"per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
-            "partition_bytes": small}
+    return _short_dynamic_run(workload, model, x, y, progress, small, credit_bytes, SMALL_PIECES_STEPS,
+                              "small pieces")
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
