@@ -22,11 +22,15 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["SCHEMA", "LayerProfile", "Profile", "TensorSpec", "check_schema", "handoff_from_times",
-           "link_excess_from_times", "load_json", "piece_cost_fit", "union_s",
-           "read_json", "steal_share", "write_json"]
+__all__ = ["SCHEMA", "TWO_LEVEL_PHASES", "LayerProfile", "Profile", "TensorSpec", "check_schema",
+           "handoff_from_times", "link_excess_from_times", "load_json", "piece_cost_fit", "read_json",
+           "start_skew_from_times", "steal_share", "two_level_phase_fit", "two_level_phase_steps", "union_s",
+           "write_json"]
 
 SCHEMA = "commsched-profile/1"
+#: The phases of a two-level piece, in pipeline order (the keys of ``Profile.two_level_phases``; the
+#: torch runtime's ``HierarchicalAllReduce.phase_times()`` names them so)
+TWO_LEVEL_PHASES = ("reduce_scatter", "all_reduce", "all_gather")
 
 
 def _check_time(where: str, name: str, value: float) -> float:
@@ -134,6 +138,16 @@ class Profile:
     ``dynamic`` runs whose pieces differ in size, as the slope of the network's busy time per piece
     (:func:`piece_cost_fit`; one run's :func:`link_excess_from_times` where no slope can be fitted),
     and charged only where the ranks outnumber the machine's cores; 0 elsewhere and where not measured.
+    ``two_level_phases``: how a two-level piece's phases run in this workload's step, measured
+    (``commsched profile`` on several nodes of several ranks: two short ``dynamic`` runs with every
+    piece two-level, pieces of two sizes; :func:`two_level_phase_fit`): per phase of
+    :data:`TWO_LEVEL_PHASES`, ``(stretch, per_piece_s)``, the phase of a piece of closed form ``t``
+    holding its link ``stretch × t + per_piece_s``, compute beside it included (the simulator then
+    neither slows it by ``comm_contention`` nor adds ``per_piece_link_s``). Measured on 2 nodes × 2
+    ranks on 2 cores (balanced, 500 Mbit/s): the inter-node all-reduce 1.06 × its closed form, the
+    intra-node reduce-scatter 5.8 × + 1.4 ms and all-gather 2.9 × + 1.0 ms (their closed form about
+    0.6 ms a 1 MiB piece). ``None`` (or a phase left out): not measured, the closed form as for any
+    collective.
     ``ranged``: the tensors whose update the runtime may run range by range while the next
     forward waits for their pieces (PyTorch's ranged apply: cross-iteration, an element-wise
     optimizer class on CPU whose state is shaped like the parameter); ``()`` none (on a GPU,
@@ -158,6 +172,7 @@ class Profile:
     per_grad_hook_s: float = 0.0
     per_task_submit_s: float = 0.0
     per_piece_link_s: float = 0.0
+    two_level_phases: dict[str, tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -183,6 +198,17 @@ class Profile:
         _check_time("profile", "per_piece_link_s", self.per_piece_link_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
+        if self.two_level_phases is not None:
+            phases = {}
+            for phase, cost in dict(self.two_level_phases).items():
+                if phase not in TWO_LEVEL_PHASES:
+                    raise ValueError(f"two_level_phases: unknown phase {phase!r}; the phases are {TWO_LEVEL_PHASES}")
+                stretch, per_piece = (float(x) for x in cost)
+                if not (math.isfinite(stretch) and stretch > 0):
+                    raise ValueError(f"two_level_phases[{phase!r}]: stretch={stretch!r} must be > 0")
+                _check_time("profile", f"two_level_phases[{phase!r}] per_piece_s", per_piece)
+                phases[phase] = (stretch, per_piece)
+            object.__setattr__(self, "two_level_phases", phases)
         object.__setattr__(self, "tied", tuple(self.tied))
         unknown = [n for n in self.tied if n not in tensors]
         if unknown:
@@ -263,7 +289,7 @@ class Profile:
                        comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
                        tied=self.tied, handoff_s=self.handoff_s, ranged=self.ranged,
                        per_grad_hook_s=self.per_grad_hook_s, per_piece_link_s=self.per_piece_link_s,
-                       per_task_submit_s=self.per_task_submit_s)
+                       per_task_submit_s=self.per_task_submit_s, two_level_phases=self.two_level_phases)
 
     def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
         """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
@@ -353,7 +379,9 @@ class Profile:
                        ranged=None if data.get("ranged") is None else tuple(str(n) for n in data["ranged"]),
                        per_grad_hook_s=float(data.get("per_grad_hook_s", 0.0)),
                        per_task_submit_s=float(data.get("per_task_submit_s", 0.0)),
-                       per_piece_link_s=float(data.get("per_piece_link_s", 0.0)))
+                       per_piece_link_s=float(data.get("per_piece_link_s", 0.0)),
+                       two_level_phases=None if data.get("two_level_phases") is None else {
+                           str(k): (float(v[0]), float(v[1])) for k, v in data["two_level_phases"].items()})
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None
@@ -490,6 +518,119 @@ def piece_cost_fit(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"value": max(0.0, c), "fitted_s": c, "contention": m, "runs": rows,
             "how": "busy = m x closed form + c x pieces over the median steps of two runs with pieces of two "
                    "sizes (union of the pieces' spans, last rank's issue to first rank's landing); c floored at 0"}
+
+
+def start_skew_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How far behind the first rank the last one starts a step's communication, from every rank's
+    ``Scheduler.stats()`` (``per_step`` and ``issue_times``, one clock: ranks of one machine). Per
+    step, the piece some rank issued first (at the start of backward, nothing of the step before is
+    in flight): the last rank's issue of it minus the first rank's. Every rank must issue each piece
+    before it can move, so the network waits that long for the slowest rank, and the rest of the
+    step's pieces with it. ``value``: the mean over steps (``median`` beside it); ``None`` without a
+    step every rank recorded. Several runs' steps pool by concatenating their ``steps``. A diagnostic
+    (``commsched profile``'s ``meta.start_skew``): as a delay of every piece it made the simulator's
+    predictions worse (docs/simulator.md, "Two-level phases and the ranks' start skew")."""
+    if not ranks:
+        raise ValueError("start_skew_from_times needs the stats of at least one rank")
+    stats = [({str(k): v for k, v in (r.get("per_step") or {}).items()},
+              {str(k): v for k, v in (r.get("issue_times") or {}).items()}) for r in ranks]
+    steps = []
+    for step in stats[0][0]:
+        if any(step not in per or step not in times for per, times in stats):
+            continue
+        issued = [dict(zip(per[step].get("order") or (), times[step].get("issued_at") or (), strict=False))
+                  for per, times in stats]
+        common = [n for n in issued[0] if all(n in i and i[n] is not None for i in issued)]
+        if not common:
+            continue
+        first = min(common, key=lambda n: min(i[n] for i in issued))
+        starts = [i[first] for i in issued]
+        steps.append({"step": float(step), "piece": first, "skew_s": max(starts) - min(starts),
+                      "last_rank": starts.index(max(starts))})
+    values = [s["skew_s"] for s in steps]
+    return {"value": statistics.fmean(values) if values else None,
+            "median": statistics.median(values) if values else None, "steps": steps,
+            "how": "mean over steps of the last rank's issue of the step's first piece minus the first rank's (the "
+                   "step's cost grows with it where the network is the bottleneck, so the mean, not the median)"}
+
+
+def two_level_phase_steps(ranks: Sequence[dict[str, Any]], ranks_per_node: int,
+                          phase_cost: Callable[[str, float], float]) -> dict[str, list[dict[str, float]]]:
+    """Per phase of a two-level piece, per step: how long the phase's link had a piece, against the
+    closed form. ``ranks``: every rank's record of one run with every piece two-level, in rank order,
+    each ``{"phases": {phase: [[name, step, handed, issued, landed], ...]}, "per_step":
+    Scheduler.stats()["per_step"]}`` (one clock: ranks of one machine). The intra-node phases (the
+    reduce-scatter, the all-gather) run on node 0's link among its ranks ``0 .. r-1``; the inter-node
+    all-reduce on the network, which the ``r`` groups of one local rank each (``l, l+r, l+2r, ...``)
+    share at once, one shard each. A piece's phase in a group runs from the last issue among the
+    group's ranks to the first landing; per step the union of those spans over the phase's groups
+    (``busy_s``) against ``pieces`` × ``phase_cost(phase, mean piece bytes)`` (``model_s``: the phase of
+    the whole piece, every shard): the rows :func:`piece_cost_fit` takes, per phase."""
+    if not ranks or ranks_per_node < 1 or len(ranks) % ranks_per_node:
+        raise ValueError(f"two_level_phase_steps needs every rank's record ({len(ranks)} given) on nodes of "
+                         f"{ranks_per_node} rank(s)")
+    node0 = [list(range(ranks_per_node))]
+    groups = {"reduce_scatter": node0, "all_gather": node0,
+              "all_reduce": [list(range(local, len(ranks), ranks_per_node)) for local in range(ranks_per_node)]}
+    per_step = {str(k): v for k, v in (ranks[0].get("per_step") or {}).items()}
+    # per rank and phase: (step, name) -> (issued, landed)
+    times = [{phase: {(str(st), name): (issued, landed) for name, st, _handed, issued, landed in
+                      (r.get("phases") or {}).get(phase, ()) if st is not None and landed is not None}
+              for phase in TWO_LEVEL_PHASES} for r in ranks]
+    out: dict[str, list[dict[str, float]]] = {}
+    for phase in TWO_LEVEL_PHASES:
+        rows = []
+        for step, lead in sorted(per_step.items(), key=lambda kv: float(kv[0])):
+            if not lead.get("pieces"):
+                continue
+            spans, pieces = [], 0
+            for name in lead.get("order") or ():
+                key = (step, name)
+                if any(key not in times[i][phase] for group in groups[phase] for i in group):
+                    continue
+                pieces += 1
+                for group in groups[phase]:
+                    start = max(times[i][phase][key][0] for i in group)
+                    spans.append((start, max(start, min(times[i][phase][key][1] for i in group))))
+            if not pieces:
+                continue
+            rows.append({"step": float(step), "pieces": float(pieces), "busy_s": union_s(spans),
+                         "model_s": pieces * phase_cost(phase, lead["bytes"] / lead["pieces"])})
+        out[phase] = rows
+    return out
+
+
+def two_level_phase_fit(runs: Sequence[dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
+    """``Profile.two_level_phases`` from two runs' :func:`two_level_phase_steps` (pieces of two sizes):
+    per phase :func:`piece_cost_fit`'s ``busy = stretch × closed + per_piece × pieces``. A phase whose
+    fit has no slope, or whose stretch comes out at 0 or below (the two runs' noise larger than what
+    sets them apart), is priced from both runs pooled as busy per closed form alone (``per_piece_s``
+    0); a negative ``per_piece_s`` is floored at 0 the same way. ``value``: the phases priced, ``None``
+    where a run recorded no step of some phase."""
+    if len(runs) != 2:
+        raise ValueError(f"two_level_phase_fit needs two runs (two piece sizes), got {len(runs)}")
+    value: dict[str, tuple[float, float]] = {}
+    fits: dict[str, Any] = {}
+    for phase in TWO_LEVEL_PHASES:
+        rows = [run.get(phase) or [] for run in runs]
+        if not all(rows):
+            return {"value": None, "phases": fits, "how": f"a run recorded no step of the {phase} phase"}
+        fit = piece_cost_fit([{"steps": r} for r in rows])
+        fits[phase] = fit
+        m, c = fit.get("contention"), fit.get("fitted_s")
+        if m is not None and c is not None and m > 0 and c >= 0:
+            value[phase] = (m, c)
+            continue
+        busy = sum(statistics.median(s["busy_s"] for s in r) for r in rows)
+        model = sum(statistics.median(s["model_s"] for s in r) for r in rows)
+        if model > 0 and busy > 0:
+            value[phase] = (busy / model, 0.0)
+            fit["pooled_stretch"] = busy / model
+    return {"value": value or None, "phases": fits,
+            "how": "per phase busy = stretch x closed form + per_piece x pieces over the median steps of two runs "
+                   "with every piece two-level and pieces of two sizes (union of rank 0's groups' spans, last issue "
+                   "to first landing); busy / closed form of both runs pooled where the fit has no slope, a "
+                   "stretch <= 0 or a negative per-piece cost"}
 
 
 def steal_share(ranks: int, cores: int) -> float:

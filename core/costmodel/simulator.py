@@ -282,10 +282,13 @@ class _Sim:
         return any(c is not None for c in self.current.values())
 
     def send(self, nbytes: int, label: str, done: Callable[[], None], extra_s: float = 0.0,
-             algorithm: str | None = None, server: str = "net", seconds: float | None = None) -> None:
+             algorithm: str | None = None, server: str = "net", seconds: float | None = None,
+             contended: bool = True) -> None:
         """Queue a collective on ``server``; it lasts ``seconds`` (default the cost of ``nbytes``
-        with ``algorithm``) plus ``extra_s``; ``done`` runs when it ends."""
-        self.queues[server].append((nbytes, label, done, extra_s, algorithm, seconds))
+        with ``algorithm``) plus ``extra_s``, ``comm_contention`` times longer beside compute unless
+        ``contended`` is False (a time measured with compute beside it already); ``done`` runs when
+        it ends."""
+        self.queues[server].append((nbytes, label, done, extra_s, algorithm, seconds, contended))
         if self.current[server] is None:
             self._start_next(server)
 
@@ -294,16 +297,16 @@ class _Sim:
         if not queue:
             self.current[server] = None
             return
-        nbytes, label, done, extra, algorithm, seconds = queue.popleft()
+        nbytes, label, done, extra, algorithm, seconds, contended = queue.popleft()
         duration = (self.collective_s(nbytes, algorithm) if seconds is None else seconds) + extra
-        if self.net_slow:
+        if self.net_slow and contended:
             duration *= self.comm_contention
         event = None
         if self.record:
             event = {"name": label, "ph": "X", "pid": 0, "tid": 1 + SERVERS.index(server),
                      "ts": self.now * 1e6, "dur": duration * 1e6, "args": {"bytes": nbytes}}
             self.trace.append(event)
-        self.current[server] = [self.now + duration, done, len(self.net_spans), event]
+        self.current[server] = [self.now + duration, done, len(self.net_spans), event, contended]
         self.net_spans.append((self.now, self.now + duration))
         self.collectives += 1
 
@@ -319,7 +322,7 @@ class _Sim:
         self.net_slow = slow
         scale = factor if slow else 1.0 / factor
         for flight in self.current.values():
-            if flight is None:
+            if flight is None or not flight[4]:
                 continue
             flight[0] = self.now + (flight[0] - self.now) * scale
             start = self.net_spans[flight[2]][0]
@@ -618,7 +621,9 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     # on the slow link's phase (the inter-node all-reduce): charged on the intra-node phase, which
     # the pipeline hides behind the inter-node one, the excess would never delay a piece (measured
     # on 2 nodes x 2 ranks, balanced: the inter-node phase was busy the whole pieces' window, and
-    # 18-23 ms a piece against its closed form's 15.4; docs/simulator.md)
+    # 18-23 ms a piece against its closed form's 15.4; docs/simulator.md). Where the profile measured
+    # the phases of two-level pieces in this step (``Profile.two_level_phases``), each measured phase
+    # lasts what was measured instead, compute beside it included.
     piece_extra_s = profile.per_piece_cpu_s + profile.per_piece_link_s
 
     def phases_of(nbytes: int, piece_algorithm: str | None) -> tuple:
@@ -634,15 +639,25 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
             sim.send(nbytes, name, done, extra_s=piece_extra_s, algorithm=piece_algorithm)
             return
         rs, ar, ag = (phase.seconds for phase in phases)
+        measured = profile.two_level_phases or {}
+
+        def timed(phase: str, closed: float, extra: float) -> dict[str, Any]:
+            """A phase as measured in this workload's step (``Profile.two_level_phases``: compute beside
+            it included, so not slowed again), else its closed form plus ``extra``."""
+            if phase in measured:
+                stretch, per_piece = measured[phase]
+                return {"seconds": stretch * closed + per_piece, "contended": False}
+            return {"seconds": closed, "extra_s": extra}
 
         def gathered() -> None:
-            sim.send(nbytes, f"{name} all-gather", done, server="ag", seconds=ag)
+            sim.send(nbytes, f"{name} all-gather", done, server="ag", **timed("all_gather", ag, 0.0))
 
         def reduced_inter() -> None:
-            sim.send(nbytes, f"{name} inter all-reduce", gathered, server="ar", seconds=ar,
-                     extra_s=profile.per_piece_link_s)
-        sim.send(nbytes, f"{name} reduce-scatter", reduced_inter, server="rs", seconds=rs,
-                 extra_s=profile.per_piece_cpu_s)
+            sim.send(nbytes, f"{name} inter all-reduce", gathered, server="ar",
+                     **timed("all_reduce", ar, profile.per_piece_link_s))
+        rs_time = timed("reduce_scatter", rs, 0.0)
+        sim.send(nbytes, f"{name} reduce-scatter", reduced_inter, server="rs",
+                 **dict(rs_time, extra_s=profile.per_piece_cpu_s))
 
     def submit(step: int, name: str, tensors: list[str], numel: int, element_size: int,
                bounds: list[tuple[int, int]], algorithm_of: Callable[[str], str] | None) -> None:

@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import sys
 import time
 from collections import deque
@@ -53,13 +54,17 @@ import torch
 from torch import nn
 
 from commsched.costmodel.profile import (
+    TWO_LEVEL_PHASES,
     LayerProfile,
     Profile,
     TensorSpec,
     handoff_from_times,
     link_excess_from_times,
     piece_cost_fit,
+    start_skew_from_times,
     steal_share,
+    two_level_phase_fit,
+    two_level_phase_steps,
 )
 
 __all__ = ["StepRecorder", "add_arguments", "cache_path", "load_or_profile", "machine_fingerprint",
@@ -75,8 +80,8 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured;
 #: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s;
 #: 7: ``per_piece_link_s`` measured; 8: ``per_task_submit_s`` split from ``per_grad_hook_s``; 9: ``per_piece_link_s``
-#: the slope over two piece sizes).
-CACHE_VERSION = 9
+#: the slope over two piece sizes; 10: ``two_level_phases`` measured on several nodes of several ranks).
+CACHE_VERSION = 10
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
@@ -88,6 +93,12 @@ HANDOFF_STEPS = 3
 SMALL_PIECES_STEPS = 3
 SMALL_PIECES_DIVISOR = 4
 SMALL_PIECES_MIN_BYTES = 64 << 10
+#: Steps of ``dynamic`` with every piece two-level (several nodes of several ranks only), once with the
+#: run's piece size and once with pieces :data:`TWO_LEVEL_LARGE` times as large, both under a credit of
+#: four of the large pieces (the pipeline's phases overlap as a plan's do): their phases' busy times give
+#: ``Profile.two_level_phases`` (after 2 unmeasured; the scheduler keeps the issue times of its last 3 steps).
+TWO_LEVEL_STEPS = 3
+TWO_LEVEL_LARGE = 4
 
 
 # ----------------------------------------------------------------------------- recording
@@ -739,10 +750,14 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
                   comm_contention=baseline.get("comm_contention") or 1.0, meta=meta, tied=local.tied)
     hook = _grad_hook(phase.ranks)
     link = _link_excess(phase.ranks, workers, nodes, bandwidth, intra_bandwidth, network, prof.comm_contention)
+    two_level = _two_level_phases(phase.ranks, workers, nodes, bandwidth, intra_bandwidth, network)
+    skew = _start_skew(phase.ranks)
     prof = dataclasses.replace(prof, per_piece_steal_s=steal, handoff_s=handoff["value"] or 0.0,
                                per_grad_hook_s=hook["value"], per_task_submit_s=hook["per_task_submit_s"],
                                per_piece_link_s=link["value"] or 0.0,
-                               meta=dict(prof.meta, grad_hook=hook, link_excess=link))
+                               two_level_phases=two_level["value"] if two_level else None,
+                               meta=dict(prof.meta, grad_hook=hook, link_excess=link, two_level=two_level,
+                                         start_skew=skew))
     shutil.rmtree(work_dir, ignore_errors=True)
     return prof
 
@@ -800,6 +815,25 @@ def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, b
                 topology=topology.to_dict(),
                 how=("the slope of the network's busy time per piece over two piece sizes (fit); one run's "
                      "excess over the closed form x comm_contention (single_run) where no slope was fitted"))
+
+
+def _start_skew(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``meta.start_skew`` per algorithm (a diagnostic the simulator does not use: docs/simulator.md, "Two-level
+    phases and the ranks' start skew"): :func:`~commsched.costmodel.profile.start_skew_from_times` over the steps
+    of every short ``dynamic`` run the profile made, flat (the ``sched_cpu``, hand-off and small-pieces runs) and
+    two-level (:func:`_two_level_stats`, where made), pooled per algorithm."""
+    runs = {"ring": [[r.get(key) or {} for r in ranks] for key in ("sched_cpu", "handoff", "small_pieces")]}
+    if all(r.get("two_level") for r in ranks):
+        runs["hierarchical"] = [[r["two_level"][i] for r in ranks] for i in range(2)]
+    out = {}
+    for algorithm, per_run in runs.items():
+        steps = [s for run in per_run for s in start_skew_from_times(run)["steps"]]
+        values = [s["skew_s"] for s in steps]
+        out[algorithm] = {"value": statistics.fmean(values) if values else None,
+                          "median": statistics.median(values) if values else None, "steps": steps,
+                          "how": "start_skew_from_times over the profile's short dynamic runs of this algorithm, "
+                                 "their steps pooled: the mean"}
+    return out
 
 
 def _hook_split(hook_s: float, hooks: int, task_hook_s: float, task_hooks: int) -> tuple[float, float] | None:
@@ -900,21 +934,30 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
 
 
 def _short_dynamic_run(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any, piece_bytes: int,
-                       credit_bytes: int, steps: int, label: str) -> dict[str, Any]:
+                       credit_bytes: int, steps: int, label: str,
+                       hierarchical: tuple[int, int] | None = None) -> dict[str, Any]:
     """This rank's ``Scheduler.stats()`` orders and issue times over ``steps`` steps (after 2 unmeasured)
-    of ``dynamic`` with pieces of ``piece_bytes`` under a credit of ``credit_bytes``."""
+    of ``dynamic`` with pieces of ``piece_bytes`` under a credit of ``credit_bytes``; with
+    ``hierarchical`` (nodes, ranks per node) every piece two-level, and each phase's spans
+    (``HierarchicalAllReduce.phase_times()``) under ``phases``."""
     from commsched.plugins.torch.bench import worker
     from commsched.plugins.torch.bench.strategies import CommschedStrategy
 
-    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", piece_bytes, credit_bytes, None)
+    strat = CommschedStrategy(model, worker._opt_factory(workload), "dynamic", piece_bytes, credit_bytes, None,
+                              hierarchical=hierarchical)
     try:
         _train(strat, workload, x, y, 2)
         _train(strat, workload, x, y, steps, progress, label)
         sched = strat.stats().get("scheduler") or {}
+        two_level = strat.optimizer._backend.hierarchical if hierarchical is not None else None
+        phases = two_level.phase_times() if two_level is not None else None
     finally:
         strat.close()
-    return {"per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
-            "partition_bytes": piece_bytes}
+    out = {"per_step": sched.get("per_step") or {}, "issue_times": sched.get("issue_times") or {},
+           "partition_bytes": piece_bytes}
+    if phases is not None:
+        out["phases"] = {phase: [list(span) for span in spans] for phase, spans in phases.items()}
+    return out
 
 
 def _handoff_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any,
@@ -934,6 +977,40 @@ def _small_pieces_stats(workload: Any, model: nn.Module, x: Any, y: Any, progres
     small = max(SMALL_PIECES_MIN_BYTES, piece_bytes // SMALL_PIECES_DIVISOR)
     return _short_dynamic_run(workload, model, x, y, progress, small, credit_bytes, SMALL_PIECES_STEPS,
                               "small pieces")
+
+
+def _two_level_stats(workload: Any, model: nn.Module, x: Any, y: Any, progress: Any, piece_bytes: int,
+                     nodes: int, ranks_per_node: int) -> list[dict[str, Any]]:
+    """Two :func:`_short_dynamic_run` of :data:`TWO_LEVEL_STEPS` steps with every piece two-level, pieces of
+    ``piece_bytes`` and :data:`TWO_LEVEL_LARGE` times that, for ``Profile.two_level_phases``
+    (:func:`~commsched.costmodel.profile.two_level_phase_fit`)."""
+    large = piece_bytes * TWO_LEVEL_LARGE
+    return [_short_dynamic_run(workload, model, x, y, progress, size, 4 * large, TWO_LEVEL_STEPS,
+                               f"two-level pieces of {size >> 10} KiB", hierarchical=(nodes, ranks_per_node))
+            for size in (piece_bytes, large)]
+
+
+def _two_level_phases(ranks: list[dict[str, Any]], workers: int, nodes: int | None, bandwidth: str | None,
+                      intra_bandwidth: str | None, network: str) -> dict[str, Any] | None:
+    """``Profile.two_level_phases`` from the ranks' :func:`_two_level_stats`, against the phases' closed
+    forms on the topology the simulator uses for these flags; None where the runs were not made (one
+    node, or one rank per node)."""
+    from commsched.costmodel.collectives import allreduce_phases
+    from commsched.costmodel.topology import Topology
+
+    if not all(r.get("two_level") for r in ranks):
+        return None
+    topology = Topology.emulated(workers, nodes, "none" if network == "loopback" or not bandwidth else bandwidth,
+                                 intra_bandwidth)
+
+    def cost(phase: str, nbytes: float) -> float:
+        phases = allreduce_phases(topology, nbytes, "hierarchical")
+        return phases[TWO_LEVEL_PHASES.index(phase)].seconds if len(phases) == 3 else 0.0
+    runs = [two_level_phase_steps([r["two_level"][i] for r in ranks], topology.ranks_per_node, cost)
+            for i in range(2)]
+    fit = two_level_phase_fit(runs)
+    return dict(fit, runs=runs, partition_bytes=[ranks[0]["two_level"][i]["partition_bytes"] for i in range(2)],
+                topology=topology.to_dict())
 
 
 def _worker_main(argv: list[str] | None = None) -> int:
@@ -966,6 +1043,11 @@ def _worker_main(argv: list[str] | None = None) -> int:
         result["small_pieces"] = _small_pieces_stats(wl, model, x, y, progress, spec["partition_bytes"],
                                                      spec["credit_bytes"])
         dist.barrier()
+        nodes = spec.get("nodes") or spec["world_size"]
+        if 1 < nodes < spec["world_size"]:
+            result["two_level"] = _two_level_stats(wl, model, x, y, progress, spec["partition_bytes"], nodes,
+                                                   spec["world_size"] // nodes)
+            dist.barrier()
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once (peers then fail fast)
         import traceback
         traceback.print_exc()
@@ -1075,6 +1157,16 @@ def format_profile(prof: Profile) -> str:
         rows.append(f"the network: {link['measured'] * 1e3:.2f} ms a piece beyond the closed form ({how}); "
                     + ("charged" if link.get("charged") else
                        f"not charged ({link['ranks_on_machine']} ranks on {link['cores']} cores)"))
+    if prof.two_level_phases:
+        cut = {"reduce_scatter": "intra reduce-scatter", "all_reduce": "inter all-reduce",
+               "all_gather": "intra all-gather"}
+        rows.append("two-level pieces, measured per phase (closed form x stretch + per piece): " + "; ".join(
+            f"{cut[phase]} x{m:.2f} + {c * 1e3:.2f} ms" for phase, (m, c) in prof.two_level_phases.items()))
+    skew = {k: v["value"] for k, v in (prof.meta.get("start_skew") or {}).items() if v.get("value") is not None}
+    if skew:
+        rows.append("the last rank starts a step's communication " + ", ".join(
+            f"{seconds * 1e3:.1f} ms" + (" (two-level)" if algorithm == "hierarchical" else "")
+            for algorithm, seconds in skew.items()) + " after the first (mean over the profile's steps; not modelled)")
     if prof.per_grad_hook_s:
         tensors = sum(len(layer.tensors) for layer in prof.layers)
         rows.append(f"commsched's gradient hook: {prof.per_grad_hook_s * 1e6:.0f} us a gradient on the training "

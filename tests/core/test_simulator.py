@@ -432,6 +432,104 @@ def test_a_two_level_piece_pays_the_link_excess_on_its_inter_node_phase_the_pipe
     assert simulate(busy, topo, "hierarchical").step_time_s - before < 16 * 0.001 / 2
 
 
+def _two_level_ranks(pieces, busy, late=None):
+    """Every rank's record of one run on 2 nodes x 2 ranks (rank = node * 2 + local): one step (10) of
+    ``pieces`` pieces of 1 MiB, each phase's pieces back to back, piece i's phase lasting
+    ``busy[phase] / pieces`` from the same issue on every rank, except ``late``: {rank: seconds} that
+    rank issues every piece of every phase later (and lands with the others)."""
+    late = late or {}
+    names = [f"w#{i}" for i in range(pieces)]
+    ranks = []
+    for rank in range(4):
+        phases = {}
+        for k, phase in enumerate(profile_module.TWO_LEVEL_PHASES):
+            each, t0 = busy[phase] / pieces, 100.0 * k
+            phases[phase] = [[n, 10, t0 + i * each, t0 + i * each + min(late.get(rank, 0.0), each),
+                              t0 + (i + 1) * each] for i, n in enumerate(names)]
+        ranks.append({"phases": phases, "per_step": {"10": {"pieces": pieces, "bytes": pieces * MB,
+                                                           "order": names}}})
+    return ranks
+
+
+def test_two_level_phases_are_fitted_per_phase_on_the_links_each_phase_holds():
+    steps, fit = profile_module.two_level_phase_steps, profile_module.two_level_phase_fit
+    closed = {"reduce_scatter": 0.001, "all_reduce": 0.010, "all_gather": 0.002}  # per MiB
+
+    def cost(phase, nbytes):
+        return closed[phase] * nbytes / MB
+    # the phases as measured: 1.2 x closed + 20 ms a piece (intra), 1.25 x + 1 ms (inter), 1.0 x + 30 ms
+    truth = {"reduce_scatter": (1.2, 0.020), "all_reduce": (1.25, 0.001), "all_gather": (1.0, 0.030)}
+
+    def busy(pieces, piece_mb):
+        return {ph: pieces * (m * closed[ph] * piece_mb + c) for ph, (m, c) in truth.items()}
+    runs = [steps(_two_level_ranks(72, busy(72, 1.0)), 2, cost),
+            steps(_two_level_ranks(18, busy(18, 4.0)), 2, lambda ph, nb: cost(ph, nb) * 4)]
+    out = fit(runs)
+    for phase, (m, c) in truth.items():
+        assert out["value"][phase] == pytest.approx((m, c), rel=1e-6)
+    # a late issue shortens a phase's busy time only where no other group kept its link busy: the
+    # intra-node phases are node 0's (rank 1 is its other rank; node 1's rank 3 is not counted), the
+    # inter-node all-reduce runs as two groups (local ranks 0 and 1) sharing the network, so it is
+    # idle only while both wait (ranks 2 and 3 late, not rank 2 or 3 alone)
+    base = busy(72, 1.0)
+    for late, stretched in (((3,), set()), ((2,), set()), ((1,), {"reduce_scatter", "all_gather"}),
+                            ((2, 3), {"all_reduce"})):
+        rows = steps(_two_level_ranks(72, base, late=dict.fromkeys(late, 1e-4)), 2, cost)
+        for phase in profile_module.TWO_LEVEL_PHASES:
+            shorter = rows[phase][0]["busy_s"] < base[phase] - 72 * 0.5e-4
+            assert shorter == (phase in stretched), (late, phase)
+    # no slope (as many pieces in both runs): each phase priced by busy / closed form pooled
+    same = fit([runs[0], runs[0]])
+    assert same["value"]["all_reduce"][1] == 0.0
+    assert same["value"]["all_reduce"][0] == pytest.approx(base["all_reduce"] / (72 * 0.010))
+    assert fit([runs[0], {ph: [] for ph in runs[0]}])["value"] is None
+    with pytest.raises(ValueError, match="every rank"):
+        steps(_two_level_ranks(4, base)[:3], 2, cost)
+
+
+def test_measured_two_level_phases_replace_the_closed_form_and_are_not_slowed_again_beside_compute():
+    topo = Topology(nodes=2, ranks_per_node=2, intra=Link(0.0, 10e9), inter=Link(0.0, 125e6))
+    prof = profile_of([8, 8], comm_contention=1.5)
+    # comm-bound: 16 pieces of 1 MiB; the inter phase (the bottleneck) measured 1.1 x + 5 ms a piece
+    ar = allreduce_s(Topology(nodes=2, ranks_per_node=1, intra=topo.intra, inter=topo.inter), MB, "ring")
+    measured = dataclasses.replace(prof, per_piece_link_s=0.05,
+                                   two_level_phases={"all_reduce": (1.1, 0.005), "all_gather": (1.0, 0.0)})
+    result = simulate(measured, topo, "hierarchical", SimSettings(steps=3))
+    spans = [e for e in json.loads(result.trace_json())["traceEvents"]
+             if e.get("ph") == "X" and "inter all-reduce" in e["name"]]
+    assert spans and all(e["dur"] == pytest.approx((1.1 * ar + 0.005) * 1e6, rel=1e-6) for e in spans)
+    # the per-piece link excess and comm_contention are not charged on a measured phase; the
+    # unmeasured reduce-scatter keeps its closed form
+    assert result.step_time_s < simulate(dataclasses.replace(prof, per_piece_link_s=0.05), topo,
+                                         "hierarchical").step_time_s
+    again = Profile.from_dict(json.loads(json.dumps(measured.to_dict())))
+    assert again.two_level_phases == {"all_reduce": (1.1, 0.005), "all_gather": (1.0, 0.0)}
+    assert again.scaled(compute=2.0).two_level_phases == again.two_level_phases
+    data = measured.to_dict()
+    del data["two_level_phases"]  # a profile written before the field existed
+    assert Profile.from_dict(data).two_level_phases is None
+    with pytest.raises(ValueError, match="unknown phase 'inter'"):
+        dataclasses.replace(prof, two_level_phases={"inter": (1.0, 0.0)})
+    with pytest.raises(ValueError, match="stretch=0.0 must be > 0"):
+        dataclasses.replace(prof, two_level_phases={"all_reduce": (0.0, 0.0)})
+
+
+def test_the_start_skew_is_how_late_the_last_rank_issues_each_steps_first_piece():
+    def rank(issued):  # two steps of pieces a, b; issued: {step: (a's issue, b's issue)}
+        return {"per_step": {str(st): {"pieces": 2, "bytes": 2 * MB, "order": ["a", "b"]} for st in issued},
+                "issue_times": {str(st): {"issued_at": list(t), "landed_at": [9.0, 9.0]} for st, t in issued.items()}}
+    # step 3: rank 1 issues the first piece (a) 0.2 s after rank 0; step 4: b comes first, rank 2 0.01 s late
+    ranks = [rank({3: (1.0, 1.1), 4: (5.25, 5.2)}), rank({3: (1.2, 1.25), 4: (5.3, 5.2)}),
+             rank({3: (1.05, 1.3), 4: (5.21, 5.21)})]
+    out = profile_module.start_skew_from_times(ranks)
+    assert [(s["piece"], s["last_rank"]) for s in out["steps"]] == [("a", 1), ("b", 2)]
+    assert [s["skew_s"] for s in out["steps"]] == pytest.approx([0.2, 0.01])
+    assert out["value"] == pytest.approx(0.105) and out["median"] == pytest.approx(0.105)
+    # a step some rank did not record is left out; none at all: no value
+    assert len(profile_module.start_skew_from_times([ranks[0], rank({3: (1.0, 1.0)})])["steps"]) == 1
+    assert profile_module.start_skew_from_times([ranks[0], rank({7: (1.0, 1.0)})])["value"] is None
+
+
 def test_ranged_apply_leaves_only_the_last_pieces_share_of_a_waited_update_on_the_lane():
     # Comm-bound (16 MiB at 125 MB/s against 60 ms of compute): the next forward waits for both
     # layers, whose 8 MiB gradients come in 8 pieces of 1 MiB. Whole, each update (10 ms) runs

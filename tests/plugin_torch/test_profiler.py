@@ -19,7 +19,15 @@ import torch
 from torch import nn
 
 from commsched.costmodel.profile import Profile, steal_share
-from commsched.plugins.torch.profiler import SCHED_CPU_STEPS, _contention, _steal, load_or_profile, profile_model
+from commsched.plugins.torch.profiler import (
+    SCHED_CPU_STEPS,
+    TWO_LEVEL_STEPS,
+    _contention,
+    _steal,
+    format_profile,
+    load_or_profile,
+    profile_model,
+)
 
 FWD_SLEEP = 0.1
 BWD_SLEEP = 0.08
@@ -294,6 +302,31 @@ def test_a_workload_profile_adds_up_to_the_bench_baseline_and_is_cached(tmp_path
     t0 = time.perf_counter()
     again = load_or_profile("tiny", workers=2, network="loopback", steps=3, cache_dir=tmp_path)
     assert time.perf_counter() - t0 < 1.0 and again.layers == prof.layers
+
+
+def test_a_profile_on_two_nodes_measures_the_two_level_phases_and_how_late_the_last_rank_starts(tmp_path):
+    prof = load_or_profile("tiny", workers=4, nodes=2, network="loopback", steps=3, warmup=1, cache_dir=tmp_path,
+                           log_stream=open(os.devnull, "w"))
+    # two short runs with every piece two-level (pieces of 1 MiB and 4 MiB): each phase priced from the
+    # steps rank 0's groups recorded
+    two = prof.meta["two_level"]
+    assert two["partition_bytes"] == [1 << 20, 4 << 20]
+    assert all(len(run[phase]) == TWO_LEVEL_STEPS and all(row["pieces"] > 0 and row["busy_s"] > 0 for row in run[phase])
+               for run in two["runs"] for phase in ("reduce_scatter", "all_reduce", "all_gather"))
+    assert set(prof.two_level_phases) == {"reduce_scatter", "all_reduce", "all_gather"}
+    assert prof.two_level_phases == {k: tuple(v) for k, v in two["value"].items()}
+    assert all(m > 0 and c >= 0 for m, c in prof.two_level_phases.values())
+    # the start skew, flat from the three short dynamic runs (3 steps each) and two-level from the two
+    skew = prof.meta["start_skew"]
+    assert [len(skew[a]["steps"]) for a in ("ring", "hierarchical")] == [9, 2 * TWO_LEVEL_STEPS]
+    assert all(skew[a]["value"] >= 0 for a in ("ring", "hierarchical"))
+    text = format_profile(prof)
+    assert "two-level pieces, measured per phase" in text and "starts a step's communication" in text
+    # one node: neither two-level runs nor a two-level skew
+    flat = load_or_profile("tiny", workers=2, network="loopback", steps=3, warmup=1, cache_dir=tmp_path,
+                           log_stream=open(os.devnull, "w"))
+    assert flat.two_level_phases is None and flat.meta["two_level"] is None
+    assert set(flat.meta["start_skew"]) == {"ring"}
 
 
 _STAMP_CHILD = """
