@@ -628,8 +628,9 @@ def two_level_phase_fit(runs: Sequence[dict[str, list[dict[str, float]]]]) -> di
             fit["pooled_stretch"] = busy / model
     return {"value": value or None, "phases": fits,
             "how": "per phase busy = stretch x closed form + per_piece x pieces over the median steps of two runs "
-                   "with every piece two-level and pieces of two sizes (union of rank 0's groups' spans, last issue "
-                   "to first landing); busy / closed form of both runs pooled where the fit has no slope, a "
+                   "with every piece two-level and pieces of two sizes (union of the spans on the links the phase "
+                   "holds, last issue to first landing in each group); busy / closed form of both runs pooled where "
+                   "the fit has no slope, a "
                    "stretch <= 0 or a negative per-piece cost"}
 
 
