@@ -144,10 +144,11 @@ class Profile:
     :data:`TWO_LEVEL_PHASES`, ``(stretch, per_piece_s)``, the phase of a piece of closed form ``t``
     holding its link ``stretch × t + per_piece_s``, compute beside it included (the simulator then
     neither slows it by ``comm_contention`` nor adds ``per_piece_link_s``). Measured on 2 nodes × 2
-    ranks on 2 cores (balanced, 500 Mbit/s): the inter-node all-reduce 1.06 × its closed form, the
-    intra-node reduce-scatter 5.8 × + 1.4 ms and all-gather 2.9 × + 1.0 ms (their closed form about
-    0.6 ms a 1 MiB piece). ``None`` (or a phase left out): not measured, the closed form as for any
-    collective.
+    ranks on 2 cores (balanced, 500 Mbit/s): the intra-node reduce-scatter 5.8 × + 1.4 ms and
+    all-gather 2.9 × + 1.0 ms (their closed form about 0.6 ms a 1 MiB piece). ``commsched profile``
+    gives the intra-node phases only: the inter-node one measured 1.06 × its closed form, and priced
+    so it moved the prediction away from the bench (its ``meta.two_level``; docs/simulator.md).
+    ``None`` (or a phase left out): the closed form as for any collective.
     ``ranged``: the tensors whose update the runtime may run range by range while the next
     forward waits for their pieces (PyTorch's ranged apply: cross-iteration, an element-wise
     optimizer class on CPU whose state is shaped like the parameter); ``()`` none (on a GPU,

@@ -313,8 +313,9 @@ def test_a_profile_on_two_nodes_measures_the_two_level_phases_and_how_late_the_l
     assert two["partition_bytes"] == [1 << 20, 4 << 20]
     assert all(len(run[phase]) == TWO_LEVEL_STEPS and all(row["pieces"] > 0 and row["busy_s"] > 0 for row in run[phase])
                for run in two["runs"] for phase in ("reduce_scatter", "all_reduce", "all_gather"))
-    assert set(prof.two_level_phases) == {"reduce_scatter", "all_reduce", "all_gather"}
-    assert prof.two_level_phases == {k: tuple(v) for k, v in two["value"].items()}
+    assert set(two["value"]) == {"reduce_scatter", "all_reduce", "all_gather"}
+    # the simulator gets the intra-node phases; the inter-node one stays in the meta
+    assert prof.two_level_phases == {k: tuple(v) for k, v in two["value"].items() if k != "all_reduce"}
     assert all(m > 0 and c >= 0 for m, c in prof.two_level_phases.values())
     # the start skew, flat from the three short dynamic runs (3 steps each) and two-level from the two
     skew = prof.meta["start_skew"]
