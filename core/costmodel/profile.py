@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["SCHEMA", "TWO_LEVEL_PHASES", "LayerProfile", "Profile", "TensorSpec", "check_schema",
-           "handoff_from_times", "link_excess_from_times", "load_json", "piece_cost_fit", "read_json",
-           "start_skew_from_times", "steal_share", "two_level_phase_fit", "two_level_phase_steps", "union_s",
-           "write_json"]
+           "handoff_from_times", "link_excess_from_times", "load_json", "piece_cost_fit", "pooled_start_skew",
+           "read_json", "start_skew_from_times", "steal_share", "two_level_phase_fit", "two_level_phase_steps",
+           "union_s", "write_json"]
 
 SCHEMA = "commsched-profile/1"
 #: The phases of a two-level piece, in pipeline order (the keys of ``Profile.two_level_phases``; the
@@ -443,6 +443,13 @@ def union_s(spans: Iterable[tuple[float, float]]) -> float:
     return busy
 
 
+def _by_step(ranks: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each rank's ``Scheduler.stats()`` ``per_step`` and ``issue_times``, keyed by ``str(step)`` (the same
+    whether the stats came through JSON or not)."""
+    return [({str(k): v for k, v in (r.get("per_step") or {}).items()},
+             {str(k): v for k, v in (r.get("issue_times") or {}).items()}) for r in ranks]
+
+
 def link_excess_from_times(ranks: Sequence[dict[str, Any]], piece_cost: Callable[[float], float],
                            comm_contention: float = 1.0) -> dict[str, Any]:
     """The network time per piece beyond the model's closed form, from every rank's
@@ -458,8 +465,7 @@ def link_excess_from_times(ranks: Sequence[dict[str, Any]], piece_cost: Callable
         raise ValueError("link_excess_from_times needs the stats of at least one rank")
     if not comm_contention >= 1.0:
         raise ValueError(f"comm_contention={comm_contention!r} must be >= 1")
-    stats = [({str(k): v for k, v in (r.get("per_step") or {}).items()},
-              {str(k): v for k, v in (r.get("issue_times") or {}).items()}) for r in ranks]
+    stats = _by_step(ranks)
     steps: list[dict[str, float]] = []
     for step, lead in stats[0][0].items():
         if any(step not in per or step not in times for per, times in stats) or not lead.get("pieces"):
@@ -528,13 +534,12 @@ def start_skew_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     in flight): the last rank's issue of it minus the first rank's. Every rank must issue each piece
     before it can move, so the network waits that long for the slowest rank, and the rest of the
     step's pieces with it. ``value``: the mean over steps (``median`` beside it); ``None`` without a
-    step every rank recorded. Several runs' steps pool by concatenating their ``steps``. A diagnostic
+    step every rank recorded. :func:`pooled_start_skew` pools several runs. A diagnostic
     (``commsched profile``'s ``meta.start_skew``): as a delay of every piece it made the simulator's
     predictions worse (docs/simulator.md, "Two-level phases and the ranks' start skew")."""
     if not ranks:
         raise ValueError("start_skew_from_times needs the stats of at least one rank")
-    stats = [({str(k): v for k, v in (r.get("per_step") or {}).items()},
-              {str(k): v for k, v in (r.get("issue_times") or {}).items()}) for r in ranks]
+    stats = _by_step(ranks)
     steps = []
     for step in stats[0][0]:
         if any(step not in per or step not in times for per, times in stats):
@@ -548,6 +553,15 @@ def start_skew_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
         starts = [i[first] for i in issued]
         steps.append({"step": float(step), "piece": first, "skew_s": max(starts) - min(starts),
                       "last_rank": starts.index(max(starts))})
+    return _skew_summary(steps)
+
+
+def pooled_start_skew(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
+    """:func:`start_skew_from_times` over the steps of several runs (each: every rank's stats) together."""
+    return _skew_summary([s for ranks in runs for s in start_skew_from_times(ranks)["steps"]])
+
+
+def _skew_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     values = [s["skew_s"] for s in steps]
     return {"value": statistics.fmean(values) if values else None,
             "median": statistics.median(values) if values else None, "steps": steps,

@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import time
 from collections import deque
@@ -61,7 +60,7 @@ from commsched.costmodel.profile import (
     handoff_from_times,
     link_excess_from_times,
     piece_cost_fit,
-    start_skew_from_times,
+    pooled_start_skew,
     steal_share,
     two_level_phase_fit,
     two_level_phase_steps,
@@ -825,15 +824,7 @@ def _start_skew(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     runs = {"ring": [[r.get(key) or {} for r in ranks] for key in ("sched_cpu", "handoff", "small_pieces")]}
     if all(r.get("two_level") for r in ranks):
         runs["hierarchical"] = [[r["two_level"][i] for r in ranks] for i in range(2)]
-    out = {}
-    for algorithm, per_run in runs.items():
-        steps = [s for run in per_run for s in start_skew_from_times(run)["steps"]]
-        values = [s["skew_s"] for s in steps]
-        out[algorithm] = {"value": statistics.fmean(values) if values else None,
-                          "median": statistics.median(values) if values else None, "steps": steps,
-                          "how": "start_skew_from_times over the profile's short dynamic runs of this algorithm, "
-                                 "their steps pooled: the mean"}
-    return out
+    return {algorithm: pooled_start_skew(per_run) for algorithm, per_run in runs.items()}
 
 
 def _hook_split(hook_s: float, hooks: int, task_hook_s: float, task_hooks: int) -> tuple[float, float] | None:

@@ -525,6 +525,10 @@ def test_the_start_skew_is_how_late_the_last_rank_issues_each_steps_first_piece(
     assert [(s["piece"], s["last_rank"]) for s in out["steps"]] == [("a", 1), ("b", 2)]
     assert [s["skew_s"] for s in out["steps"]] == pytest.approx([0.2, 0.01])
     assert out["value"] == pytest.approx(0.105) and out["median"] == pytest.approx(0.105)
+    # several runs pool their steps
+    pooled = profile_module.pooled_start_skew([ranks, [ranks[0], rank({3: (1.0, 1.4), 4: (5.25, 5.2)}), ranks[2]]])
+    assert [s["skew_s"] for s in pooled["steps"]] == pytest.approx([0.2, 0.01, 0.05, 0.01])
+    assert pooled["value"] == pytest.approx(0.0675) and pooled["median"] == pytest.approx(0.03)
     # a step some rank did not record is left out; none at all: no value
     assert len(profile_module.start_skew_from_times([ranks[0], rank({3: (1.0, 1.0)})])["steps"]) == 1
     assert profile_module.start_skew_from_times([ranks[0], rank({7: (1.0, 1.0)})])["value"] is None
