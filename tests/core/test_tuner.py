@@ -399,3 +399,103 @@ def test_a_planned_start_is_measured_but_never_told_to_the_sampler():
     assert tuner.history[0]["settings"]["ordering"] == PLANNED
     assert all(s.ordering != PLANNED for s in sampler.told) and DEFAULT in sampler.told
     assert out["running"] == planned and tuner.incumbent == planned  # the measured best is kept
+
+
+def lucky_first_sample(lucky: float, true: float, fast: Settings, fast_s: float, lucky_steps: int = 10):
+    """DEFAULT runs ``true`` but its first sample (the steps before ``lucky_steps``) ran ``lucky``; ``fast``
+    runs ``fast_s``: the search's smallest score is DEFAULT's lucky one."""
+    seen = {"n": 0}
+
+    def objective(s: Settings) -> float:
+        if s == DEFAULT:
+            seen["n"] += 1
+            return lucky if seen["n"] <= lucky_steps else true
+        return fast_s if s == fast else 0.2
+    return objective
+
+
+def test_the_final_race_replaces_an_incumbent_kept_on_a_lucky_sample_by_the_faster_runner_up():
+    """DEFAULT's one lucky sample (92 ms; it runs 100) beats plain fifo (95 ms) in the search, so the
+    search alone keeps it (race off: the old rule). The race measures both afresh, alternated, and
+    keeps fifo, scored on its race periods."""
+    objective = lucky_first_sample(0.092, 0.100, FIFO_PLAIN, 0.095)
+    old = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=10)
+    drive(old, objective, 300)
+    assert old.phase == "settled" and old.incumbent == DEFAULT and old.incumbent_score < 0.094
+
+    objective = lucky_first_sample(0.092, 0.100, FIFO_PLAIN, 0.095)
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=10, race_samples=2)
+    out = drive(tuner, objective, 300)
+    raced = [h["settings"] for h in tuner.history if h.get("verdict") == "race"]
+    assert raced == [FIFO_PLAIN.to_dict(), DEFAULT.to_dict(), DEFAULT.to_dict(), FIFO_PLAIN.to_dict()], raced
+    assert tuner.history[-1]["verdict"] == "race: replaced", tuner.history[-1]
+    assert tuner.phase == "settled" and tuner.incumbent == FIFO_PLAIN and out["running"] == FIFO_PLAIN
+    assert abs(tuner.incumbent_score - 0.095) < 0.002 and tuner.samples <= 10
+
+
+def test_without_a_runner_up_within_the_margin_the_incumbent_is_measured_afresh_and_kept():
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=10, race_samples=2)
+    drive(tuner, lucky_first_sample(0.092, 0.100, FIFO_PLAIN, 0.110), 300)
+    raced = [h["settings"] for h in tuner.history if h.get("verdict") == "race"]
+    assert raced == [DEFAULT.to_dict()] * 2 and tuner.history[-1]["verdict"] == "race: kept"
+    assert tuner.incumbent == DEFAULT and abs(tuner.incumbent_score - 0.100) < 0.002  # its fresh score
+
+
+def test_race_samples_must_leave_the_search_a_sample():
+    with pytest.raises(ValueError, match="race_samples=3 and max_samples=6"):
+        Tuner(DEFAULT, max_samples=6, race_samples=3)
+    with pytest.raises(ValueError, match="race_samples"):
+        Tuner(DEFAULT, race_samples=-1)
+
+
+def test_drift_checks_compare_with_the_first_settled_window_not_the_search_score():
+    """Kept on a lucky 92 ms score, DEFAULT runs a steady 100 ms (+8.7 %): that is what it runs, not a
+    drift, so no re-tune; the first window after settling is the reference."""
+    tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), sampler=Always(FIFO_PLAIN), max_samples=6)
+    drive(tuner, lucky_first_sample(0.092, 0.100, FIFO_PLAIN, 0.110), 600)
+    assert tuner.rounds == 1 and not [h for h in tuner.history if h.get("verdict") == "drift"], tuner.history
+    assert abs(tuner.stats()["settled_reference_s"] - 0.100) < 0.002
+
+
+def ar_noise_run(seed: int, race_samples: int) -> tuple[float, float]:
+    """One tuning round on 9 settings whose true periods lie within 12 %, each period
+    ``true x (1 + m + e)``: ``m`` the machine's slowly wandering speed (AR(1), 0.9 a step, 4 %),
+    ``e`` 3 % per step. (kept's true period / best's - 1, the kept score / kept's true period - 1)."""
+    rng = random.Random(seed)
+    cands = [Settings("dynamic", p, c, 256 << 10) for p in (MIB, 4 * MIB) for c in (MIB, 4 * MIB)] + \
+            [Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, f) for f in (0, 64 << 10, 256 << 10, MIB, 4 * MIB)]
+    true = {s: 0.25 * (1 + rng.uniform(0, 0.12)) for s in cands}
+    order = itertools.cycle(rng.sample(cands, len(cands)))
+
+    class Cycle:
+        def ask(self) -> Settings:
+            return next(order)
+
+        def tell(self, settings: Settings, score: float) -> None:
+            pass
+
+    tuner = Tuner(cands[0], extra_starts=(cands[-1],), sampler=Cycle(), race_samples=race_samples)
+    running, m, next_decision, pending, first = cands[0], 0.0, 2, None, True
+    step = 0
+    while tuner.phase != "settled":
+        m = 0.9 * m + (1 - 0.81) ** 0.5 * 0.04 * rng.gauss(0, 1)
+        tuner.observe(step, true[running] * (1 + m + rng.gauss(0, 0.03)))
+        if pending is not None and step == pending[0] + 1:
+            running = pending[1].settings or running
+            pending = None
+        if step == next_decision:
+            d = tuner.first(step) if first else tuner.decide(step)
+            first, next_decision, pending = False, d.next, (step, d)
+        step += 1
+    return true[tuner.incumbent] / min(true.values()) - 1, tuner.incumbent_score / true[tuner.incumbent] - 1
+
+
+def test_the_race_keeps_faster_settings_and_scores_them_truer_over_many_noisy_runs():
+    """200 seeded runs each way: the kept setting's mean excess over the best and the kept score's
+    bias (the smallest of many noisy scores is biased low) both shrink with the race."""
+    without = [ar_noise_run(seed, 0) for seed in range(200)]
+    with_race = [ar_noise_run(seed, 2) for seed in range(200)]
+    regret = [sum(r[0] for r in runs) / len(runs) for runs in (without, with_race)]
+    bias = [sum(r[1] for r in runs) / len(runs) for runs in (without, with_race)]
+    assert regret[1] < 0.85 * regret[0], regret
+    assert bias[0] < -0.01 and abs(bias[1]) < 0.5 * abs(bias[0]), bias

@@ -1,0 +1,101 @@
+"""The tuner's choices under a modelled noisy machine: what the final race and the drift reference change.
+
+    .venv/bin/python scripts/tuner_study.py --runs 300 --json tuner_study.json
+
+Each run is one :class:`commsched.tuner.Tuner` on 9 settings whose true step periods lie within
+12 % of each other (drawn per run), measured as ``true x (1 + m + e)``: ``m`` the machine's
+wandering speed (AR(1), ``--rho`` a step, ``--machine`` standard deviation), ``e`` independent noise
+per step (``--step``). The sampler cycles through the settings (no model, so only the rules
+differ). Per ``race_samples`` (0: no race) it reports the kept setting's mean and p90 excess over
+the best, the kept score's mean bias against the kept setting's true period, the samples and steps
+to settle, and the share of runs that re-tuned within ``--after`` steps of settling, where nothing
+changes (every re-tune is spurious). No timing of this machine enters: a study of the rules, not a
+benchmark of the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+
+from commsched.tuner import UNLIMITED_BYTES, Settings, Tuner
+
+MIB = 1 << 20
+SETTINGS = [Settings("dynamic", p, c, 256 << 10) for p in (MIB, 4 * MIB) for c in (MIB, 4 * MIB)] + \
+           [Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, f) for f in (0, 64 << 10, 256 << 10, MIB, 4 * MIB)]
+
+
+def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise: float, after: int) -> dict:
+    rng = random.Random(seed)
+    true = {s: 0.25 * (1 + rng.uniform(0, 0.12)) for s in SETTINGS}
+    order = itertools.cycle(rng.sample(SETTINGS, len(SETTINGS)))
+
+    class Cycle:
+        def ask(self) -> Settings:
+            return next(order)
+
+        def tell(self, settings: Settings, score: float) -> None:
+            pass
+
+    race = {"race_samples": race_samples} if race_samples else {}  # (also runs on a tuner without the race)
+    tuner = Tuner(SETTINGS[0], extra_starts=(SETTINGS[-1],), sampler=Cycle(), **race)
+    running, m, next_decision, pending, first = SETTINGS[0], 0.0, 2, None, True
+    settled = None
+    step = 0
+    while settled is None or step < settled["step"] + after:
+        m = rho * m + (1 - rho * rho) ** 0.5 * machine * rng.gauss(0, 1)
+        tuner.observe(step, true[running] * (1 + m + rng.gauss(0, step_noise)))
+        if pending is not None and step == pending[0] + 1:
+            running = pending[1].settings or running
+            pending = None
+        if step == next_decision:
+            d = tuner.first(step) if first else tuner.decide(step)
+            first, next_decision, pending = False, d.next, (step, d)
+        if settled is None and tuner.phase == "settled":
+            settled = {"step": step, "samples": tuner.samples, "excess": true[tuner.incumbent] / min(true.values()) - 1,
+                       "bias": tuner.incumbent_score / true[tuner.incumbent] - 1}
+        step += 1
+    settled["retuned"] = tuner.rounds > 1
+    return settled
+
+
+def study(runs: int, race_samples: int, **noise) -> dict:
+    out = [one_run(seed, race_samples, **noise) for seed in range(runs)]
+    excess = sorted(r["excess"] for r in out)
+    return {"race_samples": race_samples, "runs": runs, "excess_mean": statistics.mean(excess),
+            "excess_p90": excess[int(0.9 * runs)], "score_bias_mean": statistics.mean(r["bias"] for r in out),
+            "samples_mean": statistics.mean(r["samples"] for r in out),
+            "settled_at_step_mean": statistics.mean(r["step"] for r in out),
+            "retuned_share": sum(r["retuned"] for r in out) / runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=300)
+    p.add_argument("--race", default="0,1,2,3", help="race_samples values to compare")
+    p.add_argument("--rho", type=float, default=0.9)
+    p.add_argument("--machine", type=float, default=0.04, help="the wandering speed's standard deviation")
+    p.add_argument("--step", type=float, default=0.03, help="independent noise per step")
+    p.add_argument("--after", type=int, default=300, help="steps watched after settling")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    noise = dict(rho=a.rho, machine=a.machine, step_noise=a.step, after=a.after)
+    rows = [study(a.runs, int(r), **noise) for r in a.race.split(",")]
+    print(f"noise: machine {a.machine:.1%} (AR {a.rho}), per step {a.step:.1%}; {a.runs} runs each")
+    print("race  excess mean  excess p90  score bias  samples  settled at  re-tuned")
+    for r in rows:
+        print(f"{r['race_samples']:>4}  {r['excess_mean']:>10.2%}  {r['excess_p90']:>10.2%}  "
+              f"{r['score_bias_mean']:>+10.2%}  {r['samples_mean']:>7.1f}  {r['settled_at_step_mean']:>10.0f}  "
+              f"{r['retuned_share']:>8.0%}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"noise": noise, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
