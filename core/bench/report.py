@@ -87,7 +87,9 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
                "exposed_comm_s", "overlap_method", "breakdown", "cpu_steal", "rounds")
 #: Keys of every ``results[].rounds[]`` entry (``--rounds`` > 1; ``rounds`` is ``null`` otherwise).
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
-              "cpu_busy", "cpu_steal", "plan")
+              "cpu_busy", "cpu_steal", "plan", "tuner")
+#: Keys of ``results[].rounds[].tuner`` (``auto``: what that round's tuner kept; ``null`` otherwise).
+ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
 ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s",
                    "profile_drift")
@@ -344,7 +346,7 @@ def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]
     """
     rounds = [{**dict.fromkeys(ROUND_KEYS), "round": r + 1, "position": pos + 1, "status": e["status"],
                "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
-               "cpu_steal": e["cpu_steal"], "plan": round_plan(e.get("stats"))}
+               "cpu_steal": e["cpu_steal"], "plan": round_plan(e.get("stats")), "tuner": round_tuner(e.get("stats"))}
               for r, pos, e, _ in runs]
     ok = [(e, steps) for _, _, e, steps in runs if e["status"] == "ok"]
     if not ok:
@@ -381,6 +383,20 @@ def round_plan(stats: Any) -> dict[str, Any] | None:
             "algorithms": info.get("algorithms"), "order": info.get("order"), "plan_s": info.get("plan_s"),
             # the cached profile's compute against this run's baseline, which the plan was scaled to (None: as cached)
             "profile_drift": info.get("profile_drift")}
+
+
+def round_tuner(stats: Any) -> dict[str, Any] | None:
+    """What an ``auto`` round's tuner kept (:data:`ROUND_TUNER_KEYS`): the setting, its score (after
+    the final race: the race's fresh median), the samples and the last verdict; None for other
+    strategies. Only the representative round keeps its whole history in ``stats``."""
+    tuner = stats.get("tuner") if isinstance(stats, dict) else None
+    if not isinstance(tuner, dict) or not tuner.get("incumbent"):
+        return None
+    from commsched.tuner import Settings
+
+    history = tuner.get("history") or []
+    return {"kept": Settings.from_dict(tuner["incumbent"]).describe(), "score_s": tuner.get("incumbent_median_s"),
+            "samples": tuner.get("samples"), "verdict": history[-1].get("verdict") if history else None}
 
 
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
@@ -833,6 +849,14 @@ def rounds_table(results: list[dict]) -> list[str]:
                          + (f", {plan['order']} order" if plan.get("order") else "")
                          + (f"; profile scaled {plan['profile_drift']:+.1%} to this run's compute"
                             if plan.get("profile_drift") is not None else ""))
+    tuned = [(r["strategy"], x) for r in with_rounds for x in sorted(r["rounds"], key=lambda x: x["round"])
+             if x.get("tuner")]
+    if tuned:
+        lines += ["", "What the tuner kept per round (its score against the round's measured steps):", ""]
+        for name, x in tuned:
+            t = x["tuner"]
+            lines.append(f"- {name} round {x['round']}: {t['kept']}, scored {_fmt(t['score_s'], '.3f')} s, measured "
+                         f"{_fmt(x['step_time_s'], '.3f')} s; {t['samples']} samples, last verdict {t['verdict']}")
     return lines
 
 

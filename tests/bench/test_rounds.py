@@ -117,6 +117,32 @@ def test_each_planned_round_keeps_the_plan_it_ran():
            "credit 2.00 MiB, ring, fixed order; profile scaled +25.0% to this run's compute" in text
 
 
+def _auto(steps, rnd, kept, score, verdict):
+    phase = _phase("auto", steps, rnd)
+    phase.ranks[0]["stats"] = {"tuner": {"incumbent": kept.to_dict(), "incumbent_median_s": score, "samples": 20,
+                                         "history": [{"verdict": "race"}, {"verdict": verdict}]}}
+    return phase
+
+
+def test_each_auto_round_keeps_what_its_tuner_kept_and_scored():
+    # every round tunes afresh: the report says what each kept, so a slow round's choice shows
+    from commsched.bench.report import ROUND_TUNER_KEYS
+    from commsched.tuner import UNLIMITED_BYTES, Settings
+
+    fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, 256 << 10)
+    dyn = Settings("dynamic", 1 << 20, 4 << 20, 256 << 10)
+    ddp = [_phase("ddp", [1.0] * 4, r) for r in range(3)]
+    auto = [_auto([0.9] * 4, 0, fifo, 0.88, "race: replaced"), _auto([1.1] * 4, 1, dyn, 0.95, "race: kept"),
+            _auto([0.91] * 4, 2, fifo, 0.9, "race: kept")]
+    report = _report([ddp, auto])
+    a = report["results"][1]
+    assert [list(x["tuner"]) for x in a["rounds"]] == [list(ROUND_TUNER_KEYS)] * 3
+    assert [x["tuner"]["kept"] for x in a["rounds"]] == [fifo.describe(), dyn.describe(), fifo.describe()]
+    assert report["results"][0]["rounds"][0]["tuner"] is None
+    assert ("- auto round 2: dynamic partition=1MiB credit=4MiB fusion=256KiB, scored 0.950 s, measured 1.100 s; "
+            "20 samples, last verdict race: kept") in markdown(report)
+
+
 def test_a_failed_round_is_listed_warned_and_left_out_of_the_figures():
     ddp = [_phase("ddp", [1.0] * 4, 0), _phase("ddp", [1.0] * 4, 1)]
     flaky = [_phase("flaky", [0.5] * 4, 0), _phase("flaky", [], 1, status="failed")]
