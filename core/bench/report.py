@@ -835,8 +835,11 @@ def rounds_table(results: list[dict]) -> list[str]:
         span = f"{min(speedups):.2f}..{max(speedups):.2f}x" if speedups else "-"
         steal = max((x["cpu_steal"] for x in r["rounds"] if x["cpu_steal"] is not None), default=None)
         lines.append(f"| {r['strategy']} | " + " | ".join(cells) + f" | {span} | {_fmt(steal, '.3f')} |")
-    plans = [(r["strategy"], x) for r in with_rounds for x in sorted(r["rounds"], key=lambda x: x["round"])
-             if x.get("plan")]
+    def rounds_with(key: str) -> list[tuple[str, dict]]:  # (strategy, round) of the rounds that have ``key``
+        return [(r["strategy"], x) for r in with_rounds for x in sorted(r["rounds"], key=lambda x: x["round"])
+                if x.get(key)]
+
+    plans = rounds_with("plan")
     if plans:
         lines += ["", "Plans per round (the digest tells whether rounds ran the same plan):", ""]
         for name, x in plans:
@@ -849,8 +852,7 @@ def rounds_table(results: list[dict]) -> list[str]:
                          + (f", {plan['order']} order" if plan.get("order") else "")
                          + (f"; profile scaled {plan['profile_drift']:+.1%} to this run's compute"
                             if plan.get("profile_drift") is not None else ""))
-    tuned = [(r["strategy"], x) for r in with_rounds for x in sorted(r["rounds"], key=lambda x: x["round"])
-             if x.get("tuner")]
+    tuned = rounds_with("tuner")
     if tuned:
         lines += ["", "What the tuner kept per round (its score against the round's measured steps):", ""]
         for name, x in tuned:
