@@ -635,11 +635,10 @@ class Tuner:
                              "spread_s": self.incumbent_spread, "search_median_s": searched,
                              "race_medians_s": {s.describe(): m for s, m in medians.items()}})
         against = "; ".join(f"{s.describe()} {m * 1e3:.2f} ms" for s, m in medians.items())
-        return self._settle(step, f"stop ({race.why}): race medians {against}: keeping {kept.describe()} at "
-                                  f"{self.incumbent_score * 1e3:.2f} ms (its search score {searched * 1e3:.2f} ms)"
-                            if kept == old else
-                            f"stop ({race.why}): race medians {against}: the runner-up {kept.describe()} replaces "
-                            f"{old.describe()}, kept at {self.incumbent_score * 1e3:.2f} ms")
+        outcome = (f"keeping {kept.describe()}" if kept == old else
+                   f"the runner-up {kept.describe()} replaces {old.describe()}")
+        return self._settle(step, f"stop ({race.why}): race medians {against}: {outcome}, kept at "
+                                  f"{self.incumbent_score * 1e3:.2f} ms (the search's score {searched * 1e3:.2f} ms)")
 
     def _next_sample(self, step: int, why: str, confirm: Settings | None = None,
                      recheck: Settings | None = None, again: Settings | None = None,

@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from commsched.bench.cpu import BUSY_WARNING
+from commsched.tuner import Settings
 
 SCHEMA = "commsched-bench/2"
 
@@ -392,8 +393,6 @@ def round_tuner(stats: Any) -> dict[str, Any] | None:
     tuner = stats.get("tuner") if isinstance(stats, dict) else None
     if not isinstance(tuner, dict) or not tuner.get("incumbent"):
         return None
-    from commsched.tuner import Settings
-
     history = tuner.get("history") or []
     return {"kept": Settings.from_dict(tuner["incumbent"]).describe(), "score_s": tuner.get("incumbent_median_s"),
             "samples": tuner.get("samples"), "verdict": history[-1].get("verdict") if history else None}
