@@ -31,6 +31,7 @@ _DEFAULTS: dict[str, Any] = {
     "plan": None,
     "priority": "layer",
     "slack_alpha": 1.0,
+    "decide_ahead": True,
 }
 
 _SIZE_UNITS = {
@@ -184,6 +185,7 @@ _PARSERS = {
     "plan": _parse_plan,
     "priority": _parse_priority,
     "slack_alpha": _parse_alpha,
+    "decide_ahead": _parse_bool,
 }
 
 
@@ -217,6 +219,13 @@ class SchedulerConfig:
             (the default) with ``"planned"``: the PyTorch optimizer runs the first steps
             as ``"dynamic"``, rank 0 plans from their profile and every rank switches to the
             plan at an agreed step (docs/tuning.md).
+        decide_ahead: with ``ordering="dynamic"`` (and ``static``'s recorded step), rank 0
+            publishes the whole remaining order of a step in one message as soon as that
+            order is final (the step ended and every one of its gradients is queued), ahead
+            of the credit that lets each piece start; the other ranks then start each piece
+            as soon as their own credit frees, without waiting for a message per piece.
+            The order is exactly the one decided piece by piece. Default True; False
+            publishes each piece when rank 0 starts it (docs/ARCHITECTURE.md).
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and
@@ -233,6 +242,7 @@ class SchedulerConfig:
     plan: Any = _UNSET
     priority: str = _UNSET
     slack_alpha: float = _UNSET
+    decide_ahead: bool = _UNSET
 
     def __post_init__(self) -> None:
         env = None

@@ -261,20 +261,61 @@ class PriorityPolicy(DispatchPolicy):
 
 
 class LeaderPolicy(PriorityPolicy):
-    """Rank 0 of ``dynamic``: priority order, each decision published; ``E step`` once a step fully started."""
+    """Rank 0 of ``dynamic``: priority order, each decision published; ``E step`` once a step fully started.
+
+    ``ahead`` (``SchedulerConfig.decide_ahead``): once a step's order is final, which is when the
+    user ended the step and none of its gradients is still to come, the rest of that step's
+    pieces are decided at once, in priority order, and published in one batch ahead of the
+    credit that lets each start (``next()`` then hands them out in that order as credit frees).
+    Nothing more urgent can arrive later: every later piece belongs to a later step. So the
+    order is the one the per-piece rule gives, and the followers stop waiting for a message
+    per piece: each starts the next piece when its own credit frees.
+    """
 
     mode = "leader"
     publishes = True
 
-    def __init__(self, credit_bytes: int) -> None:
+    def __init__(self, credit_bytes: int, ahead: bool = False) -> None:
         super().__init__(credit_bytes)
+        self.ahead = bool(ahead)
         self._ended = 0  # steps < this have had their END published
+        self._decided: collections.deque = collections.deque()  # published ahead, not started yet
+        self._published: set[int] = set()  # id() of the pieces in ``_decided``
+        self.ahead_total = 0  # pieces published ahead so far (``Scheduler.stats()["decided_ahead"]``)
+
+    def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
+        if self._decided:  # more urgent than anything in the heap (an earlier step), in order
+            if fits(in_flight, self._decided[0].nbytes, self.credit_bytes):
+                return self._decided.popleft()
+            return None
+        return super().next(unstarted, step, in_flight)
 
     def issued(self, piece: Any) -> list[Message]:
+        if id(piece) in self._published:
+            self._published.discard(id(piece))
+            return []
         return [Decision(piece.task.step, piece.name)]
 
-    def steps_over(self, unstarted: Unstarted, step: int) -> list[Message]:
+    def queued_keys(self) -> list[tuple]:
+        return [p.key for p in self._decided] + super().queued_keys()
+
+    def decided_ahead(self) -> int:
+        """Pieces published and not started yet."""
+        return len(self._decided)
+
+    def _decide_ahead(self, unstarted: Unstarted, step: int) -> list[Message]:
+        """Every queued piece of the ended steps whose gradients are all here, in priority order."""
         out: list[Message] = []
+        while self._heap and self._heap[0][0] < step and not unstarted.waiting_in(self._heap[0][0]):
+            piece = heapq.heappop(self._heap)[-1]
+            self._decided.append(piece)
+            self._published.add(id(piece))
+            out.append(Decision(piece.task.step, piece.name))
+        self.ahead_total += len(out)
+        return out
+
+    def steps_over(self, unstarted: Unstarted, step: int) -> list[Message]:
+        out: list[Message] = self._decide_ahead(unstarted, step) if self.ahead else []
         while self._ended < step and unstarted.open_in(self._ended) == 0:
             out += self._step_over(self._ended)
             self._ended += 1
@@ -485,8 +526,8 @@ class StaticLeader(_StaticMixin, LeaderPolicy):
     :class:`LeaderPolicy`; the recorded step's order becomes the plan (``L``)."""
 
     def __init__(self, credit_bytes: int, record_step: int = 0,
-                 reorder: Callable[[list[Recorded]], Sequence[str]] | None = None) -> None:
-        super().__init__(credit_bytes)
+                 reorder: Callable[[list[Recorded]], Sequence[str]] | None = None, ahead: bool = False) -> None:
+        super().__init__(credit_bytes, ahead=ahead)
         self._set_record_step(record_step)
         self._recorded: list[Recorded] = []
         self.reorder = reorder
@@ -820,10 +861,11 @@ def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_
                 return PlanCutPriority(plan, PriorityPolicy(credit))
             # observed: step 0 as dynamic, then step 0's order with no message per step (static's roles)
             if plan.order == "observed":
-                inner: DispatchPolicy = (StaticLeader(credit, record_step=OBSERVED_STEP, reorder=_plan_reorder(plan))
+                inner: DispatchPolicy = (StaticLeader(credit, record_step=OBSERVED_STEP, reorder=_plan_reorder(plan),
+                                                      ahead=config.decide_ahead)
                                          if rank == 0 else StaticFollower(credit, rank, record_step=OBSERVED_STEP))
             else:
-                inner = LeaderPolicy(credit) if rank == 0 else FollowerPolicy(credit, rank)
+                inner = LeaderPolicy(credit, ahead=config.decide_ahead) if rank == 0 else FollowerPolicy(credit, rank)
             return PlanCutPriority(plan, inner)
         return PlannedPolicy(plan)
     if world_size <= 1:
@@ -833,5 +875,5 @@ def make_policy(config: SchedulerConfig, rank: int, world_size: int, negotiates_
     if not agrees_on_order(config, world_size, negotiates_order):
         return FifoPolicy(credit)
     if config.ordering == "static":
-        return StaticLeader(credit) if rank == 0 else StaticFollower(credit, rank)
-    return LeaderPolicy(credit) if rank == 0 else FollowerPolicy(credit, rank)
+        return StaticLeader(credit, ahead=config.decide_ahead) if rank == 0 else StaticFollower(credit, rank)
+    return LeaderPolicy(credit, ahead=config.decide_ahead) if rank == 0 else FollowerPolicy(credit, rank)

@@ -10,7 +10,8 @@ batched, one per line:
 =======  =========================  ==============================================
 message  line                       meaning
 =======  =========================  ==============================================
-P        ``P\\t<step>\\t<piece>``     rank 0 started piece ``<piece>`` of ``<step>``
+P        ``P\\t<step>\\t<piece>``     rank 0 started piece ``<piece>`` of ``<step>`` (``decide_ahead``:
+                                   or will start it, after the pieces published before it)
 E        ``E\\t<step>``               every piece of ``<step>`` started on rank 0
 L        ``L\\t0\\t<p1>\\x1f<p2>...``   the static plan: step 0's order, for every later step
 A        ``A\\t<message>``            a rank failed (also in the ``<prefix>/abort`` key)
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Decision:
-    """Rank 0 started ``piece`` of ``step``."""
+    """Rank 0 started ``piece`` of ``step`` (or, deciding ahead, will start it after the ones before it)."""
 
     step: int
     piece: str

@@ -115,6 +115,7 @@ class Scheduler(Closeable):
         # plugin's averaging). Each key is written by one thread only. stats()["engine_cpu_s"].
         self._engine_cpu = {"launch": 0.0, "on_done": 0.0}
         self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
+        self._published_batches = 0  # rank 0: batches of messages pushed to the followers (stats())
         self._threads: list[threading.Thread] = []
         self._spawn("dispatch", self._dispatch_loop)
         self._spawn("complete", self._complete_loop)
@@ -288,11 +289,18 @@ class Scheduler(Closeable):
     def stats(self) -> dict:
         """Pieces and bytes started, tasks, steps, the most bytes in flight, settings; per step: pieces,
         bytes, start order; ``engine_cpu_s``: CPU seconds so far of the dispatch thread in the engine's
-        launches (``launch``) and of the completion thread in ``on_done`` (the plugin's averaging)."""
+        launches (``launch``) and of the completion thread in ``on_done`` (the plugin's averaging).
+        Rank 0 under ``dynamic``/``static``: ``published_batches`` (messages pushed to the followers,
+        in how many batches) and ``decided_ahead`` (pieces published before they started,
+        ``SchedulerConfig.decide_ahead``)."""
         with self._lock:
             out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
                        ordering=self.config.ordering, engine_cpu_s=dict(self._engine_cpu))
+            deciding = getattr(self._state.policy, "inner", self._state.policy)
+            if self._state.policy.publishes:  # rank 0 under dynamic/static: how its decisions travelled
+                out.update(published_batches=self._published_batches,
+                           decided_ahead=int(getattr(deciding, "ahead_total", 0)))
             plan = getattr(self._state.policy, "plan", None)
             if plan is not None and hasattr(plan, "digest"):  # planned: the plan's credit, piece sizes, digest
                 sizes = sorted({g.partition_bytes for g in plan.groups})
@@ -463,6 +471,7 @@ class Scheduler(Closeable):
             while not self._state.outbox and not self._closing:
                 self._publish_cv.wait()
             batch, self._state.outbox = self._state.outbox, []
+            self._published_batches += bool(batch)
             return batch or None
 
     def _reading(self) -> bool:

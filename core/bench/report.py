@@ -468,7 +468,10 @@ BREAKDOWN_HOW = {
                         "time.time() is one clock. data_wait_s: the follower's gradient was not ready yet "
                         "(ready_at, its submit time, after rank 0's decision); control_s = issue - "
                         "max(decision, ready): the decision's trip through the store plus the follower's "
-                        "dispatch and credit. static: after step 0 no decision travels: it is the issue skew",
+                        "dispatch and credit. static: after step 0 no decision travels: it is the issue skew. "
+                        "With decide_ahead (the default) the rest of an ended step was published before rank 0 "
+                        "started its pieces, so there it is the issue skew too, and negative where the follower "
+                        "started a piece first",
     "slowest": "each top-level number is the largest per-rank median (per_rank holds each rank's medians)",
 }
 

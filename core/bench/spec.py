@@ -42,6 +42,9 @@ class StrategySpec:
     #: ``<commsched strategy>+fuse=<size>``: this strategy's own ``fusion_bytes`` (runs of small gradients
     #: fused into one task up to that size; ``0`` none); None: ``SchedulerConfig``'s default
     fusion_bytes: int | None = None
+    #: ``<commsched strategy>+noahead``: ``SchedulerConfig(decide_ahead=False)``, rank 0 publishes each
+    #: decision as the piece starts, never an ended step's rest at once: what deciding ahead gains, side by side
+    decide_ahead: bool = True
 
     @property
     def is_commsched(self) -> bool:
@@ -84,7 +87,8 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         spec = _one(base)
         kinds, fusion = parse_modifiers(name, modifiers, commsched=spec.is_commsched, planned=spec.kind == "planned")
         specs.append(dataclasses.replace(spec, name=name, split_tied="tied" in kinds,
-                                         whole_apply="whole" in kinds, fusion_bytes=fusion))
+                                         whole_apply="whole" in kinds, fusion_bytes=fusion,
+                                         decide_ahead="noahead" not in kinds))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
     if len({s.name for s in specs}) != len(specs):
@@ -97,6 +101,7 @@ MODIFIERS = {
     "tied": "+tied (split tied embeddings)",
     "whole": "+whole (apply gradients whole, not range by range)",
     "fuse": "+fuse=<size> (fuse small gradients up to that size; not on planned, whose plan fixes its groups)",
+    "noahead": "+noahead (rank 0 publishes each decision as its piece starts, not an ended step's rest at once)",
 }
 
 

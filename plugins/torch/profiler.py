@@ -79,8 +79,9 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: (2: ``per_piece_steal_s`` measured; 3: ``tied`` names the tied embedding weights; 4: ``handoff_s`` measured;
 #: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s;
 #: 7: ``per_piece_link_s`` measured; 8: ``per_task_submit_s`` split from ``per_grad_hook_s``; 9: ``per_piece_link_s``
-#: the slope over two piece sizes; 10: ``two_level_phases`` measured on several nodes of several ranks).
-CACHE_VERSION = 10
+#: the slope over two piece sizes; 10: ``two_level_phases`` measured on several nodes of several ranks; 11: the
+#: ``dynamic`` runs measured with ``decide_ahead``, rank 0 publishing an ended step's rest at once).
+CACHE_VERSION = 11
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2

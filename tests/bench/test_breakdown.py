@@ -137,7 +137,9 @@ def test_issue_times_let_the_report_measure_decision_to_follower_issue():
     are ready only after rank 0 decided its first piece, so that piece waited for data there, and rank 0's
     later pieces waited for credit after their data was ready (ready_at < issued_at)."""
     world = InProcessWorld(2)
-    cfg = SchedulerConfig(partition_bytes=64, credit_bytes=64, ordering="dynamic", timeout_s=10)
+    # decide_ahead off: a decision per piece as it starts (ahead, the rest of an ended step travels before
+    # rank 0 starts it, and the follower may issue first: a latency of zero or less)
+    cfg = SchedulerConfig(partition_bytes=64, credit_bytes=64, ordering="dynamic", timeout_s=10, decide_ahead=False)
     leader_done = threading.Event()  # rank 0 decided its first piece
     scheds = [Scheduler(world.backend(0), ArrayOps(), cfg, store=world.store, observer=lambda *_: leader_done.set()),
               Scheduler(world.backend(1), ArrayOps(), cfg, store=world.store)]

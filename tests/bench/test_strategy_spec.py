@@ -151,3 +151,26 @@ def test_fuse_sets_a_strategys_own_fusion_threshold_in_the_bench_and_the_simulat
     assert simulate(prof, topo, "fifo+fuse=4MiB").pieces_per_step == 1
     with pytest.raises(ValueError, match=r"\+fuse=<size>"):
         simulate(prof, topo, "planned+fuse=1MiB")
+
+
+def test_noahead_turns_off_deciding_ahead_in_the_torch_strategy(monkeypatch):
+    pytest.importorskip("torch")
+    import commsched.plugins.torch.bench.strategies as strategies
+
+    specs = parse_strategies("dynamic+noahead,auto+noahead+tied,dynamic,static:1MiB/4MiB+noahead")
+    assert [s.decide_ahead for s in specs] == [False, False, True, False]
+    assert specs[1].split_tied and specs[1].name == "auto+noahead+tied"
+    with pytest.raises(ValueError, match=r"\+noahead"):
+        parse_strategies("ddp+noahead")
+    made = []
+
+    class Recorder:
+        def __init__(self, model, make_opt, ordering, partition, credit, timeline, **kw):
+            made.append((ordering, kw["decide_ahead"]))
+
+    monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
+    run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20, "world_size": 2, "nodes": 2,
+                "bandwidth": "1gbit"}
+    for spec in specs:
+        strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
+    assert made == [("dynamic", False), ("auto", False), ("dynamic", True), ("static", False)]

@@ -167,6 +167,44 @@ def test_followers_issue_rank0s_order_even_when_their_readiness_is_reversed(rank
     assert all(list(t) == [6.0] * 3 for result in run.results for t in result)
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_rank0_publishes_the_rest_of_an_ended_step_in_one_batch_ahead_of_credit(ahead):
+    """18 pieces, credit of 2. Deciding ahead, the 16 that wait when the step ends reach the followers
+    in one push; piece by piece, every 2 pieces wait for a round trip through the store."""
+    world, store = InProcessWorld(3), CountingStore()
+    held = HoldingBackend(world.backend(0))
+    cfg = SchedulerConfig(partition_bytes=8, credit_bytes=16, timeout_s=10, decide_ahead=ahead)
+    scheds = [Scheduler(held if r == 0 else world.backend(r), ArrayOps(), cfg, store=store) for r in range(3)]
+    names = [f"g{i}" for i in range(6)]
+    tensors = [[doubles(3, r + 1) for _ in names] for r in range(3)]
+    try:
+        for r in (2, 1, 0):
+            for i, (name, t) in enumerate(zip(names, tensors[r], strict=True)):
+                scheds[r].submit(name, t, priority=-i)  # the last submitted is the most urgent
+            scheds[r].mark_step()
+        deadline = time.monotonic() + 5
+        while ahead and scheds[0].stats()["decided_ahead"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.release()
+        for s in scheds:
+            s.synchronize()
+        stats = scheds[0].stats()
+        writes = store.writes
+    finally:
+        for s in scheds:
+            s.close()
+        world.close()
+    assert world.mismatches == [] and world.issued[1] == world.issued[2] == world.issued[0]
+    assert world.issued[0][:2] == ["g0#0", "g0#1"]  # started at once, before the urgent ones arrived
+    assert world.issued[0][2:] == [f"g{i}#{k}" for i in range(5, -1, -1) for k in range(3) if (i, k) not in
+                                   ((0, 0), (0, 1))]
+    assert all(list(t) == [6.0] * 3 for rank in tensors for t in rank)
+    if ahead:  # the first decisions, the rest at once, the END: at most 4 pushes per follower
+        assert stats["decided_ahead"] == 16 and writes <= 2 * 4, (stats, writes)
+    else:
+        assert stats["decided_ahead"] == 0 and writes > 2 * 8, (stats, writes)
+
+
 def test_static_follower_starts_the_plan_that_arrives_after_it_submitted_everything():
     """Regression: a follower that read the plan with nothing else to do went back to sleep and hung."""
     world = InProcessWorld(2)

@@ -105,6 +105,47 @@ def test_leader_publishes_each_decision_and_ends_a_step_only_when_it_fully_start
     assert leader.steps_over(u, step=1) == [EndOfStep(0)]
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_leader_deciding_ahead_publishes_an_ended_steps_order_at_once_and_keeps_it(ahead):
+    u, leader = Unstarted(), LeaderPolicy(credit_bytes=8, ahead=ahead)
+    a, b, c = T("a", priority=2, seq=0), T("b", priority=0, seq=1), T("c", priority=1, seq=2)
+    late = T("late", priority=3, seq=3)
+    ready(leader, u, P(a, 0, 4), P(a, 1, 4), P(b, 0, 4), P(c, 0, 4))
+    u.wait_for(late)
+    published = []
+    for in_flight in (0, 4):  # the step is open: one decision per piece as it starts
+        piece = leader.next(u, 0, in_flight)
+        u.started(piece)
+        published += leader.issued(piece)
+    assert published == [Decision(0, "b#0"), Decision(0, "c#0")]
+    assert leader.next(u, 0, 8) is None and leader.steps_over(u, step=0) == []
+    assert leader.steps_over(u, step=1) == []  # ended, but late's gradient may still be more urgent
+    u.arrived(late, None)
+    ready(leader, u, P(late, 0, 4))
+    ahead_msgs = leader.steps_over(u, step=1)
+    assert ahead_msgs == ([Decision(0, "a#0"), Decision(0, "a#1"), Decision(0, "late#0")] if ahead else [])
+    assert leader.steps_over(u, step=1) == []  # once
+    d = T("d", step=1, priority=-5, seq=4)  # the next step's most urgent gradient never overtakes
+    ready(leader, u, P(d, 0, 4))
+    assert leader.next(u, 1, 8) is None  # the credit is spent: the head of the line waits
+    order = []
+    while (piece := leader.next(u, 1, 4)) is not None:
+        u.started(piece)
+        order.append(piece.name)
+        published += leader.issued(piece)
+    assert order == ["a#0", "a#1", "late#0", "d#0"]
+    per_piece = [Decision(0, n) for n in ("a#0", "a#1", "late#0")]
+    assert published[2:] == ([Decision(1, "d#0")] if ahead else per_piece + [Decision(1, "d#0")])
+    assert leader.steps_over(u, step=1) == [EndOfStep(0)]
+    assert leader.ahead_total == (3 if ahead else 0)
+
+
+def test_make_policy_gives_rank0_of_dynamic_and_static_the_configs_decide_ahead():
+    for ordering in ("dynamic", "static"):
+        assert make_policy(SchedulerConfig(ordering=ordering), 0, 2, False).ahead is True
+        assert make_policy(SchedulerConfig(ordering=ordering, decide_ahead=False), 0, 2, False).ahead is False
+
+
 def test_follower_issues_rank0s_order_and_names_a_gradient_it_lacks():
     u, follower = Unstarted(), FollowerPolicy(credit_bytes=100, rank=1)
     a, b = T("a"), T("b")

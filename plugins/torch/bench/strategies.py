@@ -165,7 +165,7 @@ class CommschedStrategy(Strategy):
                  partition_bytes: int, credit_bytes: int, timeline: str | None, *,
                  plan: str | None = None, hierarchical: tuple[int, int] | None = None,
                  topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
-                 split_tied: bool = False, fusion_bytes: int | None = None) -> None:
+                 split_tied: bool = False, fusion_bytes: int | None = None, decide_ahead: bool = True) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -179,7 +179,8 @@ class CommschedStrategy(Strategy):
         fusion = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}  # +fuse=<size>; else the default
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
-            cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority, **fusion,
+            cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority,
+            decide_ahead=decide_ahead, **fusion,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config, topology=topology, split_tied_embeddings=split_tied)
@@ -233,12 +234,12 @@ class PlannedStrategy(CommschedStrategy):
     """
 
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
-                 timeline: str | None, split_tied: bool = False) -> None:
+                 timeline: str | None, split_tied: bool = False, decide_ahead: bool = True) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
         self.plan_info = _shared_plan(run_spec, rank, path, split_tied)
         self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
-                         timeline, plan=path, split_tied=split_tied)
+                         timeline, plan=path, split_tied=split_tied, decide_ahead=decide_ahead)
 
     def stats(self) -> dict[str, Any]:
         info = dict(self.plan_info)
@@ -390,6 +391,7 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                    run_spec: dict, rank: int, timeline: str | None) -> Strategy:
     tied = spec.split_tied  # <commsched strategy>+tied: split tied embeddings
     fusion = spec.fusion_bytes  # <commsched strategy>+fuse=<size>: its own fusion threshold
+    ahead = spec.decide_ahead  # <commsched strategy>+noahead: rank 0 publishes each decision as it starts
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
     if spec.kind == "allreduce":
@@ -397,7 +399,7 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     if spec.kind == "horovod":
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
     if spec.kind == "planned":
-        return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=tied)
+        return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=tied, decide_ahead=ahead)
     if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 
@@ -406,23 +408,23 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         if spec.kind == "slack":
             return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
                                      run_spec["credit_bytes"], timeline, topology=topology, priority="slack",
-                                     split_tied=tied, fusion_bytes=fusion)
+                                     split_tied=tied, fusion_bytes=fusion, decide_ahead=ahead)
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
-                                 timeline, topology=topology, split_tied=tied, fusion_bytes=fusion)
+                                 timeline, topology=topology, split_tied=tied, fusion_bytes=fusion, decide_ahead=ahead)
     if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
         return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
-                                 cross_iteration=False, split_tied=tied, fusion_bytes=fusion)
+                                 cross_iteration=False, split_tied=tied, fusion_bytes=fusion, decide_ahead=ahead)
     if spec.kind == "hierarchical":
         nodes = run_spec["nodes"]
         return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
                                  run_spec["credit_bytes"], timeline,
                                  hierarchical=(nodes, run_spec["world_size"] // nodes), split_tied=tied,
-                                 fusion_bytes=fusion)
+                                 fusion_bytes=fusion, decide_ahead=ahead)
     # dynamic:<partition>/<credit> (a grid point): its own sizes; else the run's --partition-mb/--credit-mb
     partition = spec.partition_bytes if spec.partition_bytes is not None else run_spec["partition_bytes"]
     credit = spec.credit_bytes if spec.credit_bytes is not None else run_spec["credit_bytes"]
     return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline, split_tied=tied,
-                             fusion_bytes=fusion)
+                             fusion_bytes=fusion, decide_ahead=ahead)
 
 
 def unavailable_reason(spec: StrategySpec) -> str | None:
