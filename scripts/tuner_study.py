@@ -5,12 +5,13 @@
 Each run is one :class:`commsched.tuner.Tuner` on 9 settings whose true step periods lie within
 12 % of each other (drawn per run), measured as ``true x (1 + m + e)``: ``m`` the machine's
 wandering speed (AR(1), ``--rho`` a step, ``--machine`` standard deviation), ``e`` independent noise
-per step (``--step``). The sampler cycles through the settings (no model, so only the rules
-differ). Per ``race_samples`` (0: no race) it reports the kept setting's mean and p90 excess over
-the best, the kept score's mean bias against the kept setting's true period, the samples and steps
-to settle, and the share of runs that re-tuned within ``--after`` steps of settling, where nothing
-changes (every re-tune is spurious). No timing of this machine enters: a study of the rules, not a
-benchmark of the code.
+per step (``--step``). ``--slow SHARE,BY``: that share of steps runs BY slower besides (bimodal
+steps, as balanced's on 2 cores). The sampler cycles through the settings (no model, so only the
+rules differ). Per ``race_samples`` (0: no race; ``+``: with ``race_extend``) it reports the kept
+setting's mean and p90 excess over the best, the kept score's mean bias against the kept setting's
+true period, the samples and steps to settle, and the share of runs that re-tuned within
+``--after`` steps of settling, where nothing changes (every re-tune is spurious). No timing of this
+machine enters: a study of the rules, not a benchmark of the code.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ SETTINGS = [Settings("dynamic", p, c, 256 << 10) for p in (MIB, 4 * MIB) for c i
            [Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, f) for f in (0, 64 << 10, 256 << 10, MIB, 4 * MIB)]
 
 
-def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise: float, after: int) -> dict:
+def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise: float, after: int,
+            slow_share: float = 0.0, slow_by: float = 0.0, race_extend: bool = False) -> dict:
     rng = random.Random(seed)
     true = {s: 0.25 * (1 + rng.uniform(0, 0.12)) for s in SETTINGS}
     order = itertools.cycle(rng.sample(SETTINGS, len(SETTINGS)))
@@ -42,13 +44,16 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
             pass
 
     race = {"race_samples": race_samples} if race_samples else {}  # (also runs on a tuner without the race)
+    if race_extend:
+        race["race_extend"] = True
     tuner = Tuner(SETTINGS[0], extra_starts=(SETTINGS[-1],), sampler=Cycle(), **race)
     running, m, next_decision, pending, first = SETTINGS[0], 0.0, 2, None, True
     settled = None
     step = 0
     while settled is None or step < settled["step"] + after:
         m = rho * m + (1 - rho * rho) ** 0.5 * machine * rng.gauss(0, 1)
-        tuner.observe(step, true[running] * (1 + m + rng.gauss(0, step_noise)))
+        slow = slow_by if rng.random() < slow_share else 0.0  # bimodal steps: some run slow_by slower
+        tuner.observe(step, true[running] * (1 + m + slow + rng.gauss(0, step_noise)))
         if pending is not None and step == pending[0] + 1:
             running = pending[1].settings or running
             pending = None
@@ -63,12 +68,13 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
     return settled
 
 
-def study(runs: int, race_samples: int, **noise) -> dict:
-    out = [one_run(seed, race_samples, **noise) for seed in range(runs)]
+def study(runs: int, race_samples: int, race_extend: bool = False, **noise) -> dict:
+    out = [one_run(seed, race_samples, race_extend=race_extend, **noise) for seed in range(runs)]
     excess = sorted(r["excess"] for r in out)
-    return {"race_samples": race_samples, "runs": runs, "excess_mean": statistics.mean(excess),
+    return {"race_samples": race_samples, "race_extend": race_extend, "runs": runs,
+            "excess_mean": statistics.mean(excess),
             "excess_p90": excess[int(0.9 * runs)], "score_bias_mean": statistics.mean(r["bias"] for r in out),
-            "samples_mean": statistics.mean(r["samples"] for r in out),
+            "samples_mean": statistics.mean(r["samples"] for r in out), "samples_max": max(r["samples"] for r in out),
             "settled_at_step_mean": statistics.mean(r["step"] for r in out),
             "retuned_share": sum(r["retuned"] for r in out) / runs}
 
@@ -81,14 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--machine", type=float, default=0.04, help="the wandering speed's standard deviation")
     p.add_argument("--step", type=float, default=0.03, help="independent noise per step")
     p.add_argument("--after", type=int, default=300, help="steps watched after settling")
+    p.add_argument("--slow", default="0,0", help="SHARE,BY: that share of steps runs BY slower (bimodal steps), "
+                                                 "e.g. 0.3,0.15")
+    p.add_argument("--extend", action="store_true", help="also each race with race_extend=True")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    noise = dict(rho=a.rho, machine=a.machine, step_noise=a.step, after=a.after)
-    rows = [study(a.runs, int(r), **noise) for r in a.race.split(",")]
-    print(f"noise: machine {a.machine:.1%} (AR {a.rho}), per step {a.step:.1%}; {a.runs} runs each")
+    share, by = (float(x) for x in a.slow.split(","))
+    noise = dict(rho=a.rho, machine=a.machine, step_noise=a.step, after=a.after, slow_share=share, slow_by=by)
+    rows = [study(a.runs, int(r), extend, **noise) for r in a.race.split(",")
+            for extend in ((False, True) if a.extend and int(r) else (False,))]
+    print(f"noise: machine {a.machine:.1%} (AR {a.rho}), per step {a.step:.1%}, {share:.0%} of steps {by:.0%} "
+          f"slower; {a.runs} runs each")
     print("race  excess mean  excess p90  score bias  samples  settled at  re-tuned")
     for r in rows:
-        print(f"{r['race_samples']:>4}  {r['excess_mean']:>10.2%}  {r['excess_p90']:>10.2%}  "
+        print(f"{r['race_samples']:>3}{'+' if r['race_extend'] else ' '}  {r['excess_mean']:>10.2%}  "
+              f"{r['excess_p90']:>10.2%}  "
               f"{r['score_bias_mean']:>+10.2%}  {r['samples_mean']:>7.1f}  {r['settled_at_step_mean']:>10.0f}  "
               f"{r['retuned_share']:>8.0%}")
     if a.json:

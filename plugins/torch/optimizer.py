@@ -260,7 +260,7 @@ DEFAULT_BANDWIDTH = "10gbit"
 #: The tuner's settings (docs/tuning.md): 1 settle + 4 scored steps per sample, at most 20 samples, the
 #: last 4 of them at most a final race of 2 fresh samples of the incumbent and 2 of the runner-up.
 TUNER_OPTIONS: dict[str, Any] = dict(sample_steps=4, settle=1, max_samples=20, min_gain=0.02, drift=0.05,
-                                     check_every=50, race_samples=2)
+                                     check_every=50, race_samples=2, race_extend=True)
 #: ``"auto"`` measures the planner's plan first where the model predicts it this much ahead of the
 #: advised runtime setting, else not at all; None: the planner's own margin (``PlanSearch.min_gain``,
 #: the model's measured error).
