@@ -472,6 +472,9 @@ BREAKDOWN_HOW = {
                         "With decide_ahead (the default) the rest of an ended step was published before rank 0 "
                         "started its pieces, so there it is the issue skew too, and negative where the follower "
                         "started a piece first",
+    "decisions_ahead": "leader/follower orderings, rank 0's Scheduler.stats() over the whole run: pieces started, "
+                       "the share published ahead of their start (decide_ahead: the rest of an ended step at "
+                       "once), and pieces per published batch",
     "slowest": "each top-level number is the largest per-rank median (per_rank holds each rank's medians)",
 }
 
@@ -568,6 +571,18 @@ def decision_latency(leader: dict, followers: Sequence[dict]) -> dict[str, Any] 
             "control_s": q(ctrl)}
 
 
+def decisions_ahead(leader: dict) -> dict[str, Any] | None:
+    """From rank 0's ``Scheduler.stats()`` over the whole run: the pieces it started, the share of
+    them published ahead (``SchedulerConfig.decide_ahead``) and the decisions per published batch.
+    ``None`` when the stats lack the counts (an older worker)."""
+    sched = leader.get("scheduler", leader) if isinstance(leader, dict) else {}
+    pieces, ahead, batches = (sched.get(k) for k in ("pieces", "decided_ahead", "published_batches"))
+    if not isinstance(pieces, int) or not isinstance(ahead, int) or not isinstance(batches, int):
+        return None
+    return {"pieces": pieces, "ahead_share": ahead / pieces if pieces else 0.0,
+            "pieces_per_batch": pieces / batches if batches else None}
+
+
 def breakdown(phase: Any) -> dict[str, Any] | None:
     """Where one strategy's step time goes (torch's workload benchmark): the keys of
     :data:`BREAKDOWN_HOW` for the slowest rank (the largest per-rank median of each), each
@@ -592,6 +607,7 @@ def breakdown(phase: Any) -> dict[str, Any] | None:
     stats = [r.get("stats") or {} for r in phase.ranks]
     mode = (stats[0].get("scheduler") or {}).get("mode") if isinstance(stats[0], dict) else None
     out["decision_latency"] = decision_latency(stats[0], stats[1:]) if mode == "leader" else None
+    out["decisions_ahead"] = decisions_ahead(stats[0]) if mode == "leader" else None
     out["per_rank"] = per_rank
     out["how"] = dict(BREAKDOWN_HOW)
     return out
@@ -866,7 +882,8 @@ def rounds_table(results: list[dict]) -> list[str]:
 
 #: The second table: where each strategy's step goes, in ms (slowest rank; docs/bench.md).
 BREAKDOWN_HEADER = ("| strategy | step | fwd compute | fwd wait | apply | backward (submit) | step() (wait) "
-                    "| other | final sync | sched CPU/step (/piece; own) | decision→issue p50/p95 (control p95) |")
+                    "| other | final sync | sched CPU/step (/piece; own) | decision→issue p50/p95 (control p95; "
+                    "share decided ahead) |")
 
 
 def breakdown_table(results: list[dict]) -> list[str]:
@@ -892,6 +909,9 @@ def breakdown_table(results: list[dict]) -> list[str]:
         lat = b.get("decision_latency")
         dec = "-" if not lat else (f"{ms(lat['latency_s']['p50'], '.2f')}/{ms(lat['latency_s']['p95'], '.2f')} "
                                    f"({ms(lat['control_s']['p95'], '.2f')})")
+        ahead = b.get("decisions_ahead")
+        if lat and ahead:
+            dec += f"; {ahead['ahead_share']:.0%} ahead"
         lines.append(
             f"| {r['strategy']} | {ms(b['step_s'])} | {ms(b['forward_compute_s'])} | {ms(b['forward_wait_s'])} "
             f"| {ms(b['optimizer_apply_s'])} | {ms(b['backward_s'])}{sub} "

@@ -16,6 +16,7 @@ from commsched.bench.report import (
     build_report,
     calibration_block,
     decision_latency,
+    decisions_ahead,
     markdown,
     overlap_ratio,
     regime_of,
@@ -104,6 +105,14 @@ def test_breakdown_of_the_synchronous_path_puts_its_wait_in_step_not_in_the_forw
     assert b["forward_wait_s"] == 0 and b["forward_compute_s"] == pytest.approx(0.4 - 0.03)
     cross = breakdown(PhaseResult("fifo", "ok", [_rank(True, bubbles=[0.03] * 4) for _ in range(2)]))
     assert cross["forward_wait_s"] == pytest.approx(0.03)
+
+
+def test_decisions_ahead_reads_rank0s_counts_and_an_older_worker_has_none():
+    ahead = decisions_ahead({"scheduler": {"pieces": 20, "decided_ahead": 15, "published_batches": 4}})
+    assert ahead == {"pieces": 20, "ahead_share": 0.75, "pieces_per_batch": 5.0}
+    assert decisions_ahead({"scheduler": {"pieces": 20}}) is None
+    assert decisions_ahead({"pieces": 0, "decided_ahead": 0, "published_batches": 0}) == {
+        "pieces": 0, "ahead_share": 0.0, "pieces_per_batch": None}
 
 
 def test_the_report_prints_the_breakdown_table():
