@@ -122,7 +122,8 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
         "backward_under_comm_s": profile.backward_s * profile.contention,
         "compute_under_comm_s": compute * profile.contention, "under_comm_coverage": None,
         "comm_under_compute_s": comm * profile.comm_contention, "comm_contention": profile.comm_contention,
-        "lower_bound_s": max(compute, comm), "no_overlap_s": compute + comm,
+        "lower_bound_s": max(compute, comm), "contended_bound_s": max(compute * profile.contention, comm),
+        "no_overlap_s": compute + comm,
         "ddp_model_s": profile.forward_s + max(profile.backward_s, comm) + profile.step_optimizer_s,
     }
     baseline["ceiling_speedup_vs_ddp"] = (max(1.0, baseline["ddp_model_s"] / baseline["lower_bound_s"])
@@ -137,6 +138,7 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
             throughput_samples_s=samples / r.step_time_s, bubble_s=r.exposed_comm_s,
             bubble_method="simulated: time the compute lane waits on the network",
             overlap_ratio=r.overlap_ratio, efficiency=baseline["lower_bound_s"] / r.step_time_s,
+            efficiency_contended=baseline["contended_bound_s"] / r.step_time_s,
             pieces_per_step=r.pieces_per_step, timeline=(timelines or {}).get(r.strategy),
             stats={"comm_busy_s": r.comm_busy_s, "compute_s": r.compute_s,
                    "handoffs_per_step": r.handoffs_per_step}))

@@ -28,6 +28,7 @@ def test_baseline_bounds_follow_their_definitions():
     assert base["ddp_model_s"] == pytest.approx(0.2 + 0.5 + 0.05)
     assert base["ceiling_speedup_vs_ddp"] == pytest.approx((0.2 + 0.5 + 0.05) / 0.65)
     assert base["compute_under_comm_s"] == pytest.approx(0.75)
+    assert base["contended_bound_s"] == pytest.approx(0.75)  # max(compute under comm 0.75, comm 0.5)
     assert base["under_comm_coverage"] == pytest.approx(0.5 / 0.75)
     # the all-reduce (0.5 s alone) ended at 0.5 s, all of it beside compute: not slowed
     assert base["comm_under_compute_s"] == pytest.approx(0.5) and base["comm_contention"] == pytest.approx(1.0)
@@ -64,6 +65,8 @@ def test_strategy_metrics_speedup_and_estimated_bubbles():
     assert r_own["exposed_comm_s"] == pytest.approx(0.3) and "bubble" in r_own["overlap_method"]
     assert r_ddp["overlap_ratio"] == pytest.approx(1 - 0.4 / 0.5)  # DDP's estimated bubble
     assert r_own["efficiency"] == pytest.approx(0.65 / 0.7)
+    assert r_own["efficiency_contended"] == pytest.approx(0.75 / 0.7)
+    assert "| 0.93 (1.07) |" in markdown(report)  # the contended efficiency in parentheses
     assert not any("beats the lower bound" in w for w in report["warnings"])
     assert r_own["throughput_samples_s"] == pytest.approx(16 / 0.7)
     assert r_ddp["params_consistent"] and not r_hvd["params_consistent"]
