@@ -299,10 +299,6 @@ class LeaderPolicy(PriorityPolicy):
     def queued_keys(self) -> list[tuple]:
         return [p.key for p in self._decided] + super().queued_keys()
 
-    def decided_ahead(self) -> int:
-        """Pieces published and not started yet."""
-        return len(self._decided)
-
     def _decide_ahead(self, unstarted: Unstarted, step: int) -> list[Message]:
         """Every queued piece of the ended steps whose gradients are all here, in priority order."""
         out: list[Message] = []

@@ -297,8 +297,8 @@ class Scheduler(Closeable):
             out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
                        ordering=self.config.ordering, engine_cpu_s=dict(self._engine_cpu))
-            deciding = getattr(self._state.policy, "inner", self._state.policy)
             if self._state.policy.publishes:  # rank 0 under dynamic/static: how its decisions travelled
+                deciding = getattr(self._state.policy, "inner", self._state.policy)  # planned wraps the leader
                 out.update(published_batches=self._published_batches,
                            decided_ahead=int(getattr(deciding, "ahead_total", 0)))
             plan = getattr(self._state.policy, "plan", None)
