@@ -389,9 +389,10 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
 
 def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                    run_spec: dict, rank: int, timeline: str | None) -> Strategy:
-    tied = spec.split_tied  # <commsched strategy>+tied: split tied embeddings
-    fusion = spec.fusion_bytes  # <commsched strategy>+fuse=<size>: its own fusion threshold
-    ahead = spec.decide_ahead  # <commsched strategy>+noahead: rank 0 publishes each decision as it starts
+    # every commsched strategy's modifiers: +tied (split tied embeddings), +fuse=<size> (its own fusion
+    # threshold; not on planned, whose plan fixes its groups) and +noahead (rank 0 publishes each decision
+    # as its piece starts)
+    mods = {"split_tied": spec.split_tied, "fusion_bytes": spec.fusion_bytes, "decide_ahead": spec.decide_ahead}
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
     if spec.kind == "allreduce":
@@ -399,7 +400,8 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     if spec.kind == "horovod":
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
     if spec.kind == "planned":
-        return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=tied, decide_ahead=ahead)
+        return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=spec.split_tied,
+                               decide_ahead=spec.decide_ahead)
     if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 
@@ -407,24 +409,21 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                                      run_spec.get("intra_bandwidth"))
         if spec.kind == "slack":
             return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
-                                     run_spec["credit_bytes"], timeline, topology=topology, priority="slack",
-                                     split_tied=tied, fusion_bytes=fusion, decide_ahead=ahead)
+                                     run_spec["credit_bytes"], timeline, topology=topology, priority="slack", **mods)
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
-                                 timeline, topology=topology, split_tied=tied, fusion_bytes=fusion, decide_ahead=ahead)
+                                 timeline, topology=topology, **mods)
     if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
         return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
-                                 cross_iteration=False, split_tied=tied, fusion_bytes=fusion, decide_ahead=ahead)
+                                 cross_iteration=False, **mods)
     if spec.kind == "hierarchical":
         nodes = run_spec["nodes"]
         return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
                                  run_spec["credit_bytes"], timeline,
-                                 hierarchical=(nodes, run_spec["world_size"] // nodes), split_tied=tied,
-                                 fusion_bytes=fusion, decide_ahead=ahead)
+                                 hierarchical=(nodes, run_spec["world_size"] // nodes), **mods)
     # dynamic:<partition>/<credit> (a grid point): its own sizes; else the run's --partition-mb/--credit-mb
     partition = spec.partition_bytes if spec.partition_bytes is not None else run_spec["partition_bytes"]
     credit = spec.credit_bytes if spec.credit_bytes is not None else run_spec["credit_bytes"]
-    return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline, split_tied=tied,
-                             fusion_bytes=fusion, decide_ahead=ahead)
+    return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline, **mods)
 
 
 def unavailable_reason(spec: StrategySpec) -> str | None:
