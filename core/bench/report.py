@@ -30,6 +30,11 @@ Definitions (all times are medians over the measured steps, in seconds):
   efficiency against, where compute and communication share the machine's CPUs (compute
   measured beside a concurrent all-reduce); ``efficiency_contended = contended_bound_s /
   step_time_s`` (``None`` where the baseline did not measure compute under communication);
+- ``dependency_bound_s`` (torch: from rank 0's per-layer profile, else ``None``): the dependency
+  bound of :mod:`commsched.costmodel.bounds`, ``max(compute, comm)`` plus what the next forward's
+  need for a layer whose gradient backward makes late adds; ``dependency_layer`` names that layer
+  (``None`` where compute or comm alone binds); ``combined_bound_s = max(contended_bound_s,
+  dependency_bound_s)`` and ``efficiency_combined = combined_bound_s / step_time_s``;
 - ``ddp_model_s = forward_s + max(backward_s, comm_s) + optimizer_s``: DDP
   overlaps communication with backward only, so it pays about that;
 - ``ceiling_speedup_vs_ddp = ddp_model_s / lower_bound_s``: what perfect
@@ -61,6 +66,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from commsched.bench.cpu import BUSY_WARNING
+from commsched.costmodel.bounds import bound_by_bytes
 from commsched.tuner import Settings
 
 SCHEMA = "commsched-bench/2"
@@ -81,14 +87,15 @@ WORKLOAD_KEYS = ("name", "description", "param_bytes", "num_params", "layers")
 BASELINE_KEYS = ("forward_s", "backward_s", "optimizer_s", "compute_s", "compute_one_worker_s", "comm_s",
                  "comm_cpu_busy", "comm_workers_cpu_busy", "forward_under_comm_s", "backward_under_comm_s",
                  "compute_under_comm_s", "under_comm_coverage", "comm_under_compute_s", "comm_contention",
-                 "lower_bound_s", "contended_bound_s", "no_overlap_s",
+                 "lower_bound_s", "contended_bound_s", "dependency_bound_s", "dependency_layer",
+                 "combined_bound_s", "no_overlap_s",
                  "ddp_model_s", "ceiling_speedup_vs_ddp")
 #: Keys of every ``results[]`` entry, whatever its status.
 RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", "step_time_p25_s",
                "step_time_p75_s", "step_time_iqr_s", "mean_step_time_s", "step_time_per_rank_s",
                "throughput_samples_s", "speedup_vs_baseline", "bubble_s", "bubble_method", "forward_s",
-               "backward_s", "step_call_s", "overlap_ratio", "efficiency", "efficiency_contended", "cpu_busy",
-               "workers_cpu_busy",
+               "backward_s", "step_call_s", "overlap_ratio", "efficiency", "efficiency_contended",
+               "efficiency_combined", "cpu_busy", "workers_cpu_busy",
                "cpu_warning", "params_consistent", "pieces_per_step", "timeline", "stats", "logs",
                "exposed_comm_s", "overlap_method", "breakdown", "cpu_steal", "rounds")
 #: Keys of every ``results[].rounds[]`` entry (``--rounds`` > 1; ``rounds`` is ``null`` otherwise).
@@ -189,6 +196,7 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     spans = ranks[0]["under_comm_span_s"]
     lower = max(compute, comm)
     under = fwd_uc + bwd_uc + opt_uc
+    dependency = _dependency(ranks[0].get("layers"), fwd, bwd, optim, comm)
     return {
         "forward_s": fwd,
         "backward_s": bwd,
@@ -209,10 +217,37 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
         "comm_contention": comm_contention(spans, median(ranks[0].get("comm_s") or [])),
         "lower_bound_s": lower,
         "contended_bound_s": max(under, comm),
+        **dependency,
+        "combined_bound_s": (None if dependency["dependency_bound_s"] is None
+                             else max(under, comm, dependency["dependency_bound_s"])),
         "no_overlap_s": compute + comm,
         "ddp_model_s": fwd + max(bwd, comm) + optim,
         "ceiling_speedup_vs_ddp": (fwd + max(bwd, comm) + optim) / lower,
     }
+
+
+def _dependency(layers: list[dict] | None, forward_s: float, backward_s: float, optimizer_s: float,
+                comm_s: float) -> dict[str, Any]:
+    """The baseline's ``dependency_bound_s`` and ``dependency_layer`` (module docstring) from rank 0's
+    per-layer profile (``layers``: bytes, forward ms and gradient-ready ms, measured alone), its times
+    scaled to the baseline's forward and backward; ``None`` without a profile (TensorFlow, MXNet)."""
+    none = {"dependency_bound_s": None, "dependency_layer": None}
+    rows = [r for r in layers or [] if r.get("forward_ms") is not None and not math.isnan(r["forward_ms"])]
+    if not rows or len(rows) != len(layers or []):
+        return none
+    fwd_ms = sum(r["forward_ms"] for r in rows)
+    ready_ms = max((r["grad_ready_ms"] or 0.0) for r in rows)
+    if fwd_ms <= 0 or ready_ms <= 0:
+        return none
+    bound = bound_by_bytes([forward_s * r["forward_ms"] / fwd_ms for r in rows],
+                           [None if r["grad_ready_ms"] is None else backward_s * r["grad_ready_ms"] / ready_ms
+                            for r in rows],
+                           [int(r["param_bytes"]) for r in rows], backward_s=backward_s, comm_s=comm_s,
+                           optimizer_s=optimizer_s)
+    if bound is None:
+        return none
+    return {"dependency_bound_s": bound.step_s,
+            "dependency_layer": None if bound.layer is None else rows[bound.layer]["layer"]}
 
 
 def overlap_ratio(comm_s: float | None, compute_s: float | None, step_s: float | None,
@@ -298,12 +333,18 @@ def step_fields(steps: Sequence[float], samples_per_step: int, baseline: dict | 
             baseline["comm_s"], baseline["compute_s"], step)
         fields["efficiency"] = baseline["lower_bound_s"] / step
         fields["efficiency_contended"] = _contended(baseline, step)
+        fields["efficiency_combined"] = _against(baseline, "combined_bound_s", step)
     return fields
 
 
 def _contended(baseline: dict, step: float) -> float | None:
     """``efficiency_contended`` of a step (module docstring), or None without the bound."""
-    bound = baseline.get("contended_bound_s")
+    return _against(baseline, "contended_bound_s", step)
+
+
+def _against(baseline: dict, key: str, step: float) -> float | None:
+    """``baseline[key] / step``, or None without that bound."""
+    bound = baseline.get(key)
     return bound / step if bound is not None and step else None
 
 
@@ -376,6 +417,7 @@ def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]
     if baseline is not None and baseline.get("lower_bound_s") is not None:
         fields["efficiency"] = baseline["lower_bound_s"] / step
         fields["efficiency_contended"] = _contended(baseline, step)
+        fields["efficiency_combined"] = _against(baseline, "combined_bound_s", step)
         fields["overlap_ratio"], fields["exposed_comm_s"], method = overlap_ratio(
             baseline["comm_s"], baseline["compute_s"], step, rep["bubble_s"])
         measured = rep["bubble_s"] is not None and fields["overlap_ratio"] is not None
@@ -765,7 +807,7 @@ def _link(report: dict) -> str:
 
 #: The table's header, the same for every framework (the baseline strategy is named above it).
 TABLE_HEADER = ("| strategy | step s (median) | IQR s | samples/s | speedup vs baseline (ceiling) "
-                "| bubble s | overlap | efficiency (contended) | CPU busy (workers) | pieces/step |")
+                "| bubble s | overlap | efficiency (contended; combined) | CPU busy (workers) | pieces/step |")
 
 
 def markdown(report: dict) -> str:
@@ -803,6 +845,8 @@ def markdown(report: dict) -> str:
                      "contended bound, the efficiency in parentheses)")
         lines.append(f"- lower bound max(compute, comm) {base['lower_bound_s']:.3f} s{contended}; no overlap "
                      f"{base['no_overlap_s']:.3f} s{ceiling}")
+        if base.get("dependency_bound_s") is not None:
+            lines.append(_dependency_line(base))
     cal = report.get("calibration")
     if cal:
         lines.append(_calibration_line(cal))
@@ -831,10 +875,27 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _dependency_line(base: dict) -> str:
+    """The header line of the dependency bound and the combined one (module docstring)."""
+    layer = base.get("dependency_layer")
+    why = (f"the next forward needs layer {layer} reduced, and backward makes its gradient too late to hide "
+           "its all-reduce and the ones before it on the link" if layer is not None else
+           "no layer's dependency adds to max(compute, comm) here")
+    combined = base.get("combined_bound_s")
+    return (f"- dependency bound {base['dependency_bound_s']:.3f} s: {why} (docs/bench.md, \"The dependency "
+            "bound\")" + ("" if combined is None else
+                          f"; the larger of it and the contended bound {combined:.3f} s (the efficiency after "
+                          "the semicolon)"))
+
+
 def _efficiency_cell(r: dict) -> str:
-    """``efficiency`` and, in parentheses, ``efficiency_contended`` where the baseline has it."""
+    """``efficiency`` and, in parentheses, ``efficiency_contended`` and ``efficiency_combined``
+    where the baseline has them."""
     cell = _fmt(r["efficiency"], ".2f")
-    return cell if r.get("efficiency_contended") is None else f"{cell} ({r['efficiency_contended']:.2f})"
+    if r.get("efficiency_contended") is None:
+        return cell
+    combined = "" if r.get("efficiency_combined") is None else f"; {r['efficiency_combined']:.2f}"
+    return f"{cell} ({r['efficiency_contended']:.2f}{combined})"
 
 
 def _overlap_cell(r: dict) -> str:

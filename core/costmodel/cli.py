@@ -20,8 +20,9 @@ import time
 from typing import Any
 
 from commsched.bench.picture import draw_timeline
-from commsched.bench.report import assemble_report, markdown, median, result_entry, write_json
+from commsched.bench.report import BASELINE_KEYS, assemble_report, markdown, median, result_entry, write_json
 from commsched.config import SchedulerConfig
+from commsched.costmodel.bounds import bound_by_bytes
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
 from commsched.costmodel.planner import PlanSearch
 from commsched.costmodel.profile import Profile
@@ -109,6 +110,20 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
 
 
 # ----------------------------------------------------------------- reports
+def dependency_fields(profile: Profile, comm_s: float) -> dict[str, Any]:
+    """The report baseline's ``dependency_bound_s`` and ``dependency_layer`` from a profile
+    (commsched.costmodel.bounds): the one all-reduce ``comm_s`` split by bytes, each layer's update its
+    ``apply_s`` (scaled down to the optimizer's one ``step()`` where that is faster, as DDP runs it)."""
+    scale = min(1.0, profile.step_optimizer_s / profile.apply_s) if profile.apply_s > 0 else 0.0
+    bound = bound_by_bytes([layer.forward_s for layer in profile.layers], profile.ready_times(),
+                           [layer.grad_bytes for layer in profile.layers], backward_s=profile.backward_s,
+                           comm_s=comm_s, apply_s=[layer.apply_s * scale for layer in profile.layers])
+    if bound is None or comm_s <= 0:
+        return {"dependency_bound_s": None, "dependency_layer": None}
+    return {"dependency_bound_s": bound.step_s,
+            "dependency_layer": None if bound.layer is None else profile.layers[bound.layer].name}
+
+
 def predicted_report(profile: Profile, topology: Topology, results: list[SimResult], settings: SimSettings,
                      strategies: list[str], *, workload: str, batch_size: int | None,
                      timelines: dict[str, str] | None = None) -> dict[str, Any]:
@@ -123,11 +138,15 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
         "compute_under_comm_s": compute * profile.contention, "under_comm_coverage": None,
         "comm_under_compute_s": comm * profile.comm_contention, "comm_contention": profile.comm_contention,
         "lower_bound_s": max(compute, comm), "contended_bound_s": max(compute * profile.contention, comm),
+        **dependency_fields(profile, comm),
         "no_overlap_s": compute + comm,
         "ddp_model_s": profile.forward_s + max(profile.backward_s, comm) + profile.step_optimizer_s,
     }
     baseline["ceiling_speedup_vs_ddp"] = (max(1.0, baseline["ddp_model_s"] / baseline["lower_bound_s"])
                                           if baseline["lower_bound_s"] else None)
+    dep = baseline["dependency_bound_s"]
+    baseline["combined_bound_s"] = None if dep is None else max(baseline["contended_bound_s"], dep)
+    baseline = {k: baseline[k] for k in BASELINE_KEYS}
     samples = (batch_size or profile.batch_size or 1) * topology.world_size
     entries = []
     for r in results:
@@ -139,6 +158,8 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
             bubble_method="simulated: time the compute lane waits on the network",
             overlap_ratio=r.overlap_ratio, efficiency=baseline["lower_bound_s"] / r.step_time_s,
             efficiency_contended=baseline["contended_bound_s"] / r.step_time_s,
+            efficiency_combined=(None if baseline["combined_bound_s"] is None
+                                 else baseline["combined_bound_s"] / r.step_time_s),
             pieces_per_step=r.pieces_per_step, timeline=(timelines or {}).get(r.strategy),
             stats={"comm_busy_s": r.comm_busy_s, "compute_s": r.compute_s,
                    "handoffs_per_step": r.handoffs_per_step}))
@@ -612,6 +633,7 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     comm = allreduce_s(topology, profile.grad_bytes, "ring") if topology.world_size > 1 else 0.0
     algo, algo_s = best_algorithm(topology, profile.grad_bytes) if topology.world_size > 1 else ("ring", 0.0)
     bound = max(profile.compute_s, comm)
+    dependency = dependency_fields(profile, comm)
     reasons = []
     if comm <= profile.backward_s:
         reasons.append(f"communication ({comm:.3g} s) fits inside backward ({profile.backward_s:.3g} s): DDP "
@@ -640,6 +662,12 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
                        "reduction cannot overlap with this step's backward; if it is an embedding tied to the output "
                        "layer, PyTorch's DistributedOptimizer(split_tied_embeddings=True) reduces the output layer's "
                        "part during backward and the lookup's part as rows (docs/torch.md)")
+    dep_s = dependency["dependency_bound_s"]
+    if dep_s is not None and dep_s > bound * 1.03 and dependency["dependency_layer"] is not None:
+        reasons.append(f"no schedule of whole gradients beats {dep_s:.3g} s ({dep_s - bound:.3g} s above max(compute, "
+                       f"comm)): the next forward needs layer {dependency['dependency_layer']} reduced, and backward "
+                       "makes its gradient too late to hide its all-reduce and the ones before it on the link "
+                       "(docs/bench.md, The dependency bound)")
     if algo != "ring" and algo_s < comm * 0.95:
         reasons.append(f"the {algo} algorithm would cut the all-reduce from {comm:.3g} s to {algo_s:.3g} s "
                        "(the topology planner chooses it per piece)")
@@ -656,6 +684,7 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     return {"helps": helps, "expected_speedup_vs_ddp": speedup, "best_ddp": ddp.strategy,
             "best_ddp_step_s": ddp.step_time_s, "commsched_step_s": best.step_time_s, "settings": settings,
             "lower_bound_s": bound, "efficiency": bound / best.step_time_s, "reasons": reasons,
+            "dependency_bound_s": dep_s,
             "split_tied_step_s": None if split is None else split.step_time_s,
             "split_tied_speedup_vs_ddp": None if split is None else ddp.step_time_s / split.step_time_s,
             "default": {"settings": usual[1], "step_s": usual[0].step_time_s}, "best_candidate": best_candidate,

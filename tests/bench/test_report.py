@@ -35,6 +35,34 @@ def test_baseline_bounds_follow_their_definitions():
     assert base["comm_workers_cpu_busy"] == pytest.approx(2 * 1.0 / 2.0 / _cpus())
 
 
+def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline():
+    # two layers of 500 bytes, 10 ms of forward each (alone), ready 100 and 50 ms into backward:
+    # scaled to the baseline's forward 0.2 and backward 0.4, the link's 0.5 s split by bytes, the
+    # optimizer's 0.05 s too. Layer 0: ready 0.4, its 0.25 s of link, then the next forward
+    # (0.2) and layer 1's update (0.025); layer 1: 0.2 + 0.5 + 0.1; compute 0.65, comm 0.5.
+    r0 = _baseline_rank(0)
+    r0["layers"] = [{"layer": "0:Linear", "param_bytes": 500, "forward_ms": 10.0, "grad_ready_ms": 100.0},
+                    {"layer": "1:Linear", "param_bytes": 500, "forward_ms": 10.0, "grad_ready_ms": 50.0}]
+    slow = PhaseResult("dynamic", "ok", [_train_rank([1.0] * 4, "commsched", bubbles=[0.1] * 4),
+                                         _train_rank([1.0] * 4, "commsched", bubbles=[0.1] * 4)])
+    report = build_report(CONFIG, "netns", "note", {"name": "tiny"},
+                          PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), [slow])
+    base = report["baseline"]
+    assert base["dependency_bound_s"] == pytest.approx(0.4 + 0.25 + 0.2 + 0.025)
+    assert base["dependency_layer"] == "0:Linear"
+    # the larger of it and the contended bound (compute under a concurrent all-reduce 0.75)
+    assert base["combined_bound_s"] == pytest.approx(0.875)
+    (entry,) = report["results"]
+    assert entry["efficiency_combined"] == pytest.approx(0.875 / 1.0)
+    text = markdown(report)
+    assert "- dependency bound 0.875 s: the next forward needs layer 0:Linear reduced" in text
+    assert "contended bound 0.875 s" in text
+    assert "| 0.65 (0.75; 0.88) |" in text  # efficiency (contended; combined)
+    # without a per-layer profile (TensorFlow, MXNet) the fields are null and the table as before
+    plain = _report([])["baseline"]
+    assert plain["dependency_bound_s"] is None and plain["combined_bound_s"] is None
+
+
 def _cpus():
     import os
 

@@ -41,6 +41,14 @@ def test_simulate_writes_the_bench_schema_marked_predicted(tmp_path, capsys):
     assert by["allreduce"]["step_time_s"] >= max(by[s]["step_time_s"] for s in ("ddp", "dynamic"))
     assert "| strategy |" in capsys.readouterr().out
     assert report["config"]["extra"]["handoff_s"] == 0.0 and by["dynamic"]["stats"]["handoffs_per_step"] == 0
+    # the dependency bound (costmodel.bounds): communication-bound, and the link cannot start before
+    # the last layer's gradient (first in backward) nor finish after the next forward reaches it
+    base = report["baseline"]
+    assert base["dependency_layer"] == "l3" and base["dependency_bound_s"] > base["lower_bound_s"]
+    assert all(r["step_time_s"] >= base["dependency_bound_s"] * (1 - 1e-9) for r in report["results"])
+    assert base["combined_bound_s"] == max(base["contended_bound_s"], base["dependency_bound_s"])
+    dynamic = by["dynamic"]
+    assert dynamic["efficiency_combined"] == pytest.approx(base["combined_bound_s"] / dynamic["step_time_s"])
 
 
 def test_simulate_reports_the_pieces_that_waited_the_profiles_handoff(tmp_path):
@@ -89,6 +97,19 @@ def test_advise_says_no_where_backward_hides_communication_and_yes_where_it_cann
     heavy = advise(Profile.from_json(_profile(tmp_path)), slow)
     assert heavy["expected_speedup_vs_ddp"] > 1.03 and heavy["helps"] is True
     assert heavy["efficiency"] <= 1.0 + 1e-9
+
+
+def test_advise_names_the_layer_whose_dependency_no_schedule_hides(tmp_path):
+    # a 16 MiB first layer, ready last in backward and needed first: at 10 Gbit/s communication is
+    # short of compute, yet layer 0's all-reduce starts when backward ends and the next forward waits
+    prof = Profile.from_json(_profile(tmp_path, layer0_mb=16))
+    out = advise(prof, Topology.emulated(2, None, "10gbit"))
+    assert out["dependency_bound_s"] > out["lower_bound_s"] * 1.03
+    assert out["commsched_step_s"] >= out["dependency_bound_s"] * (1 - 1e-9)
+    assert any("no schedule of whole gradients beats" in r and "layer l0" in r for r in out["reasons"])
+    # a small first layer adds nothing worth a reason
+    small = advise(Profile.from_json(_profile(tmp_path, layer0_mb=0.01)), Topology.emulated(2, None, "10gbit"))
+    assert not any("no schedule of whole gradients" in r for r in small["reasons"])
 
 
 def test_advise_departs_from_the_default_only_for_a_gain_beyond_the_models_error(tmp_path):
