@@ -34,7 +34,8 @@ Definitions (all times are medians over the measured steps, in seconds):
   bound of :mod:`commsched.costmodel.bounds`, ``max(compute, comm)`` plus what the next forward's
   need for a layer whose gradient backward makes late adds; ``dependency_layer`` names that layer
   (``None`` where compute or comm alone binds); ``combined_bound_s = max(contended_bound_s,
-  dependency_bound_s)`` and ``efficiency_combined = combined_bound_s / step_time_s``;
+  dependency_bound_s)`` and ``efficiency_combined = combined_bound_s / step_time_s`` (``None`` for a
+  strategy the bound does not hold for, ``+tied``: :func:`beats_dependency`);
 - ``ddp_model_s = forward_s + max(backward_s, comm_s) + optimizer_s``: DDP
   overlaps communication with backward only, so it pays about that;
 - ``ceiling_speedup_vs_ddp = ddp_model_s / lower_bound_s``: what perfect
@@ -337,6 +338,13 @@ def step_fields(steps: Sequence[float], samples_per_step: int, baseline: dict | 
     return fields
 
 
+def beats_dependency(strategy: str) -> bool:
+    """Whether ``strategy`` changes what the dependency bound assumes (``+tied``: the tied embedding's
+    gradient split, most of it reduced early), so that bound says nothing of it and its
+    ``efficiency_combined`` is ``None``."""
+    return "tied" in strategy.split("+")[1:]
+
+
 def _contended(baseline: dict, step: float) -> float | None:
     """``efficiency_contended`` of a step (module docstring), or None without the bound."""
     return _against(baseline, "contended_bound_s", step)
@@ -358,6 +366,8 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
     bubble, method = _bubble(phase.ranks, baseline)
     fields = step_fields(steps, samples_per_step, baseline)
     fields["mean_step_time_s"] = r0["total_s"] / len(steps)
+    if beats_dependency(phase.name):
+        fields["efficiency_combined"] = None
     stats = r0.get("stats") or {}
     if baseline is not None and bubble is not None:  # the measured (or estimated) bubble is the exposed time
         fields["overlap_ratio"], fields["exposed_comm_s"], fields["overlap_method"] = overlap_ratio(
@@ -417,7 +427,8 @@ def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]
     if baseline is not None and baseline.get("lower_bound_s") is not None:
         fields["efficiency"] = baseline["lower_bound_s"] / step
         fields["efficiency_contended"] = _contended(baseline, step)
-        fields["efficiency_combined"] = _against(baseline, "combined_bound_s", step)
+        fields["efficiency_combined"] = (None if beats_dependency(rep["strategy"])
+                                         else _against(baseline, "combined_bound_s", step))
         fields["overlap_ratio"], fields["exposed_comm_s"], method = overlap_ratio(
             baseline["comm_s"], baseline["compute_s"], step, rep["bubble_s"])
         measured = rep["bubble_s"] is not None and fields["overlap_ratio"] is not None

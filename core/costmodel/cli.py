@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from commsched.bench.picture import draw_timeline
-from commsched.bench.report import BASELINE_KEYS, assemble_report, markdown, median, result_entry, write_json
+from commsched.bench.report import (BASELINE_KEYS, assemble_report, beats_dependency, markdown, median, result_entry,
+                                    write_json)
 from commsched.config import SchedulerConfig
 from commsched.costmodel.bounds import bound_by_bytes
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
@@ -158,7 +159,7 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
             bubble_method="simulated: time the compute lane waits on the network",
             overlap_ratio=r.overlap_ratio, efficiency=baseline["lower_bound_s"] / r.step_time_s,
             efficiency_contended=baseline["contended_bound_s"] / r.step_time_s,
-            efficiency_combined=(None if baseline["combined_bound_s"] is None
+            efficiency_combined=(None if baseline["combined_bound_s"] is None or beats_dependency(r.strategy)
                                  else baseline["combined_bound_s"] / r.step_time_s),
             pieces_per_step=r.pieces_per_step, timeline=(timelines or {}).get(r.strategy),
             stats={"comm_busy_s": r.comm_busy_s, "compute_s": r.compute_s,
@@ -578,9 +579,10 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
 
 
 # ------------------------------------------------------------------ advise
-#: the fusion thresholds of the synchronous candidates :func:`advise` weighs: 4 MiB and DDP's own 25 MiB
-#: bucket (``commsched.tuner.DDP_BUCKET_BYTES``): plain fifo on the synchronous path, DDP's shape
-SYNC_FUSION_MB = (4.0, 25.0)
+#: the fusion thresholds of the synchronous candidates :func:`advise` weighs: 1 MiB (``ddp:1``'s bucket,
+#: ``commsched.tuner.DDP_SMALL_BUCKET_BYTES``), 4 MiB and DDP's own 25 MiB bucket
+#: (``commsched.tuner.DDP_BUCKET_BYTES``): plain fifo on the synchronous path, DDP's shape
+SYNC_FUSION_MB = (1.0, 4.0, 25.0)
 
 
 def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, ...] = (0.5, 1, 2, 4, 16),

@@ -58,6 +58,13 @@ def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline()
     assert "- dependency bound 0.875 s: the next forward needs layer 0:Linear reduced" in text
     assert "contended bound 0.875 s" in text
     assert "| 0.65 (0.75; 0.88) |" in text  # efficiency (contended; combined)
+    # a strategy that splits the tied embedding changes the dependency: no combined efficiency for it
+    tied = PhaseResult("dynamic+tied", "ok", [_train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4),
+                                              _train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4)])
+    split = build_report(CONFIG, "netns", "note", {"name": "tiny"},
+                         PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), [tied])
+    assert split["results"][0]["efficiency_combined"] is None
+    assert split["results"][0]["efficiency_contended"] == pytest.approx(0.75 / 0.8)
     # without a per-layer profile (TensorFlow, MXNet) the fields are null and the table as before
     plain = _report([])["baseline"]
     assert plain["dependency_bound_s"] is None and plain["combined_bound_s"] is None
