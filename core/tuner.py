@@ -86,8 +86,8 @@ from typing import Any, Callable, Optional, Protocol
 from commsched.errors import CommschedError, CommschedTimeout
 from commsched.progress import Progress
 
-__all__ = ["AgreedSwitch", "DDP_BUCKET_BYTES", "Decision", "PLANNED", "SearchSpace", "Settings", "Tuner",
-           "UNLIMITED_BYTES", "OptunaSampler", "Sampler", "ModelStarts", "model_starts", "spread"]
+__all__ = ["AgreedSwitch", "DDP_BUCKET_BYTES", "DDP_SMALL_BUCKET_BYTES", "Decision", "PLANNED", "SearchSpace",
+           "Settings", "Tuner", "UNLIMITED_BYTES", "OptunaSampler", "Sampler", "ModelStarts", "model_starts", "spread"]
 
 log = logging.getLogger("commsched.tuner")
 
@@ -98,6 +98,10 @@ KIB, MIB = 1 << 10, 1 << 20
 #: without partition reduces gradients as DDP does, a few large fused collectives and one wait at
 #: ``step()`` (the start point of ``auto`` where communication is hidden already)
 DDP_BUCKET_BYTES = 25 * MIB
+#: ``bucket_cap_mb=1`` (the bench's ``ddp:1``), the fastest DDP where the link is shaped (compute-heavy
+#: and gpt2 at 1 Gbit/s, docs/tuning.md): as a fusion threshold on the synchronous path, DDP's shape
+#: with small buckets reduced during backward, the start point of ``auto`` beside the 25 MiB one
+DDP_SMALL_BUCKET_BYTES = 1 * MIB
 #: The ordering of a start point that runs a plan of the cost model's planner (:func:`model_starts`);
 #: outside :class:`SearchSpace` (a plan is one point, made for this model and topology, not a grid axis)
 PLANNED = "planned"
@@ -253,7 +257,7 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
                  plan_time_limit_s: float = 10.0, default: Settings | None = None) -> ModelStarts:
     """The cost model's start points for the tuner, best predicted first: the advised runtime
     setting (``commsched.costmodel.cli.advise``: ``fifo``, ``dynamic`` with its best piece size
-    x credit, or DDP's shape, fifo on the synchronous path with a 4 or 25 MiB fusion threshold;
+    x credit, or DDP's shape, fifo on the synchronous path with a 1, 4 or 25 MiB fusion threshold;
     ``default``, the config's own settings, unless a candidate is predicted more than the
     model's error ahead of it) and the planner's plan (:func:`commsched.costmodel.planner.make_plan`) where it is
     predicted more than ``plan_min_gain`` ahead of that setting (default the planner's own margin,

@@ -54,8 +54,8 @@ from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
-from commsched.tuner import (DDP_BUCKET_BYTES, PLANNED, UNLIMITED_BYTES, AgreedSwitch, Decision, SearchSpace,
-                             Settings, Tuner, model_starts)
+from commsched.tuner import (DDP_BUCKET_BYTES, DDP_SMALL_BUCKET_BYTES, PLANNED, UNLIMITED_BYTES, AgreedSwitch,
+                             Decision, SearchSpace, Settings, Tuner, model_starts)
 from commsched.plugins.torch.backends import (all_gather_rows, default_store, destroy_own_group, make_backend,
                                               own_group, resolve_backend)
 from commsched.plugins.torch.cuda import CudaTask
@@ -736,18 +736,20 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         where it is predicted more than :data:`AUTO_PLAN_MIN_GAIN` ahead, then the advised setting, which
         is the config's own unless the model puts another more than its error ahead), then the config's
         own settings, plain fifo without partition or credit, and DDP's own shape: that on the
-        synchronous path with DDP's bucket as the fusion threshold (:data:`DDP_BUCKET_BYTES`), where
-        communication is hidden already the fastest (docs/tuning.md)."""
+        synchronous path with small buckets as the fusion threshold (:data:`DDP_SMALL_BUCKET_BYTES`, the
+        fastest DDP where the link is shaped) and with DDP's default bucket (:data:`DDP_BUCKET_BYTES`),
+        where communication is hidden already the fastest (docs/tuning.md)."""
         cross = self._requested.cross_iteration
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
                        self._requested.fusion_bytes, cross_iteration=cross)
         plain_fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, self._requested.fusion_bytes,
                               cross_iteration=cross)
+        ddp_small = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_SMALL_BUCKET_BYTES, cross_iteration=False)
         ddp_like = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_BUCKET_BYTES, cross_iteration=False)
         # The synchronous path is the tuner's to choose only where the user asked for cross-iteration
         # (a user who asked for the synchronous path reads p.grad or uses a closure or AMP: it stays).
         space = SearchSpace(cross_iterations=(True, False) if cross else (False,))
-        last = (plain_fifo, ddp_like)
+        last = (plain_fifo, ddp_small, ddp_like)
         found = model_starts(self.profile(), self._topology_or_default(), self._requested.fusion_bytes,
                              plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S, default=own)
         for note in found.notes:
