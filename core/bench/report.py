@@ -889,9 +889,11 @@ def markdown(report: dict) -> str:
 def _dependency_line(base: dict) -> str:
     """The header line of the dependency bound and the combined one (module docstring)."""
     layer = base.get("dependency_layer")
+    adds = base["dependency_bound_s"] / base["lower_bound_s"] - 1 if base.get("lower_bound_s") else 0.0
     why = (f"the next forward needs layer {layer} reduced, and backward makes its gradient too late to hide "
-           "its all-reduce and the ones before it on the link" if layer is not None else
-           "no layer's dependency adds to max(compute, comm) here")
+           f"its all-reduce and the ones before it on the link (+{adds:.0%} on max(compute, comm))"
+           if layer is not None and adds >= 0.01 else
+           "no layer's dependency adds 1 % to max(compute, comm) here")
     combined = base.get("combined_bound_s")
     return (f"- dependency bound {base['dependency_bound_s']:.3f} s: {why} (docs/bench.md, \"The dependency "
             "bound\")" + ("" if combined is None else

@@ -56,6 +56,7 @@ def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline()
     assert entry["efficiency_combined"] == pytest.approx(0.875 / 1.0)
     text = markdown(report)
     assert "- dependency bound 0.875 s: the next forward needs layer 0:Linear reduced" in text
+    assert "(+35% on max(compute, comm))" in text  # 0.875 against 0.65
     assert "contended bound 0.875 s" in text
     assert "| 0.65 (0.75; 0.88) |" in text  # efficiency (contended; combined)
     # a strategy that splits the tied embedding changes the dependency: no combined efficiency for it
@@ -68,6 +69,18 @@ def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline()
     # without a per-layer profile (TensorFlow, MXNet) the fields are null and the table as before
     plain = _report([])["baseline"]
     assert plain["dependency_bound_s"] is None and plain["combined_bound_s"] is None
+
+
+def test_a_dependency_that_adds_under_one_percent_is_not_named_in_the_table():
+    # a 1-byte first layer (its all-reduce is nothing) and a second one ready 10 ms into backward:
+    # the bound is compute and a hair, so the header says no layer adds 1 %
+    r0 = _baseline_rank(0)
+    r0["layers"] = [{"layer": "0:Conv", "param_bytes": 1, "forward_ms": 10.0, "grad_ready_ms": 100.0},
+                    {"layer": "1:Linear", "param_bytes": 999, "forward_ms": 10.0, "grad_ready_ms": 10.0}]
+    report = build_report(CONFIG, "netns", "note", {"name": "tiny"},
+                          PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), [])
+    assert report["baseline"]["dependency_bound_s"] == pytest.approx(0.65, rel=1e-3)
+    assert "no layer's dependency adds 1 % to max(compute, comm) here" in markdown(report)
 
 
 def _cpus():
