@@ -24,13 +24,14 @@ one backward's start to the next one's, the step ``P`` is at least
 for every layer ``k``, besides ``P >= compute`` and ``P >= sum(comm_s)``. (Layer ``k``'s own update is
 left out: applied piece by piece as its pieces land, it overlaps its own all-reduce.) For ``k = 0``
 this is the whole compute but layer 0's update, plus the first layer's all-reduce. It is a lower
-bound when every layer's
-gradient is ready at once at ``ready_s`` (a layer here is a module: a coarse one hides which of its
-parameters is ready first, and the bound it gives is an estimate) and the step cannot change the
-dependency; PyTorch's ``split_tied_embeddings=True`` does (it reduces most of a tied embedding's
-gradient early), and so does any compression. It takes compute as measured alone: where a
-concurrent all-reduce slows compute (shared CPUs), the bench's ``contended_bound_s`` holds that,
-and ``combined_bound_s`` is the larger of the two. See docs/bench.md, "The dependency bound".
+bound when every layer's gradient is ready at once at ``ready_s`` (a layer here is a module: a
+coarse one hides which of its parameters is ready first, and the bound it gives is an estimate)
+and the step cannot change the dependency or the link's time: PyTorch's
+``split_tied_embeddings=True`` does (it reduces most of a tied embedding's gradient early), and so
+do compression and, on several nodes of several ranks, the two-level algorithm (fewer bytes across
+nodes than the flat all-reduce ``comm_s`` is measured with). It takes compute as measured alone:
+where a concurrent all-reduce slows compute (shared CPUs), the bench's ``contended_bound_s`` holds
+that, and ``combined_bound_s`` is the larger of the two. See docs/bench.md, "The dependency bound".
 """
 
 from __future__ import annotations
@@ -52,11 +53,6 @@ class DependencyBound:
     layer: int | None
     compute_s: float
     comm_s: float
-
-    @property
-    def exposed_s(self) -> float:
-        """What the dependency adds to ``max(compute, comm)``: communication no schedule hides."""
-        return self.step_s - max(self.compute_s, self.comm_s)
 
 
 def _times(name: str, values: Sequence[float | None], n: int, *, optional: bool = False) -> list[float | None]:

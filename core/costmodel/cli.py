@@ -159,7 +159,8 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
             bubble_method="simulated: time the compute lane waits on the network",
             overlap_ratio=r.overlap_ratio, efficiency=baseline["lower_bound_s"] / r.step_time_s,
             efficiency_contended=baseline["contended_bound_s"] / r.step_time_s,
-            efficiency_combined=(None if baseline["combined_bound_s"] is None or beats_dependency(r.strategy)
+            efficiency_combined=(None if baseline["combined_bound_s"] is None
+                                 or beats_dependency(r.strategy, topology.nodes > 1 and topology.ranks_per_node > 1)
                                  else baseline["combined_bound_s"] / r.step_time_s),
             pieces_per_step=r.pieces_per_step, timeline=(timelines or {}).get(r.strategy),
             stats={"comm_busy_s": r.comm_busy_s, "compute_s": r.compute_s,

@@ -66,6 +66,18 @@ def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline()
                          PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), [tied])
     assert split["results"][0]["efficiency_combined"] is None
     assert split["results"][0]["efficiency_contended"] == pytest.approx(0.75 / 0.8)
+    # on two nodes of two ranks a strategy that may run the two-level algorithm moves fewer bytes than
+    # the bound's flat all-reduce: none for planned, hierarchical and auto there, as before for the others
+    two_nodes = {**CONFIG, "workers": 4, "nodes": 2}
+    phases = [PhaseResult(name, "ok", [_train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4),
+                                       _train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4)])
+              for name in ("planned", "hierarchical:1MiB/4MiB", "auto", "dynamic")]
+    on_two = build_report(two_nodes, "netns", "note", {"name": "tiny"},
+                          PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), phases)
+    assert [r["efficiency_combined"] is None for r in on_two["results"]] == [True, True, True, False]
+    flat = build_report(CONFIG, "netns", "note", {"name": "tiny"},  # 2 workers on 2 nodes: one rank each
+                        PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), phases)
+    assert all(r["efficiency_combined"] is not None for r in flat["results"])
     # without a per-layer profile (TensorFlow, MXNet) the fields are null and the table as before
     plain = _report([])["baseline"]
     assert plain["dependency_bound_s"] is None and plain["combined_bound_s"] is None

@@ -29,7 +29,6 @@ def test_equal_layers_pay_the_first_layers_all_reduce_after_the_whole_compute():
     # with 40 ms each, layer 0 binds: it is reduced after backward ends, the next forward waits
     lighter = dependency_bound([0.01] * n, ready, [0.04] * n, backward_s=0.32)
     assert lighter.step_s == pytest.approx(0.4 + 0.04) and lighter.layer == 0
-    assert lighter.exposed_s == pytest.approx(0.04)
 
 
 def test_a_large_second_layer_binds_with_everything_before_it_on_the_link():
