@@ -905,8 +905,8 @@ def _dependency_line(base: dict) -> str:
     """The header line of the dependency bound and the combined one (module docstring)."""
     layer = base.get("dependency_layer")
     adds = base["dependency_bound_s"] / base["lower_bound_s"] - 1 if base.get("lower_bound_s") else 0.0
-    why = (f"the next forward needs layer {layer} reduced, and backward makes its gradient too late to hide "
-           f"its all-reduce and the ones before it on the link (+{adds:.0%} on max(compute, comm))"
+    why = (f"the next forward needs every layer up to {layer} reduced before it reaches {layer}, and none of "
+           f"their gradients is ready before {layer}'s (+{adds:.0%} on max(compute, comm))"
            if layer is not None and adds >= 0.01 else
            "no layer's dependency adds 1 % to max(compute, comm) here")
     combined = base.get("combined_bound_s")

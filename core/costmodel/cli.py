@@ -667,10 +667,10 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
                        "part during backward and the lookup's part as rows (docs/torch.md)")
     dep_s = dependency["dependency_bound_s"]
     if dep_s is not None and dep_s > bound * 1.03 and dependency["dependency_layer"] is not None:
+        layer = dependency["dependency_layer"]
         reasons.append(f"no schedule of whole gradients beats {dep_s:.3g} s ({dep_s - bound:.3g} s above max(compute, "
-                       f"comm)): the next forward needs layer {dependency['dependency_layer']} reduced, and backward "
-                       "makes its gradient too late to hide its all-reduce and the ones before it on the link "
-                       "(docs/bench.md, The dependency bound)")
+                       f"comm)): the next forward needs every layer up to {layer} reduced before it reaches {layer}, "
+                       f"and none of their gradients is ready before {layer}'s (docs/bench.md, The dependency bound)")
     if algo != "ring" and algo_s < comm * 0.95:
         reasons.append(f"the {algo} algorithm would cut the all-reduce from {comm:.3g} s to {algo_s:.3g} s "
                        "(the topology planner chooses it per piece)")

@@ -55,7 +55,7 @@ def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline()
     (entry,) = report["results"]
     assert entry["efficiency_combined"] == pytest.approx(0.875 / 1.0)
     text = markdown(report)
-    assert "- dependency bound 0.875 s: the next forward needs layer 0:Linear reduced" in text
+    assert "- dependency bound 0.875 s: the next forward needs every layer up to 0:Linear reduced" in text
     assert "(+35% on max(compute, comm))" in text  # 0.875 against 0.65
     assert "contended bound 0.875 s" in text
     assert "| 0.65 (0.75; 0.88) |" in text  # efficiency (contended; combined)
