@@ -35,18 +35,26 @@ def test_baseline_bounds_follow_their_definitions():
     assert base["comm_workers_cpu_busy"] == pytest.approx(2 * 1.0 / 2.0 / _cpus())
 
 
-def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline():
-    # two layers of 500 bytes, 10 ms of forward each (alone), ready 100 and 50 ms into backward:
-    # scaled to the baseline's forward 0.2 and backward 0.4, the link's 0.5 s split by bytes, the
-    # optimizer's 0.05 s too. Layer 0: ready 0.4, its 0.25 s of link, then the next forward
-    # (0.2) and layer 1's update (0.025); layer 1: 0.2 + 0.5 + 0.1; compute 0.65, comm 0.5.
+def _layered_baseline():
+    """Rank 0 with two layers of 500 bytes, 10 ms of forward each (alone), ready 100 and 50 ms into
+    backward; the baseline phase of both ranks."""
     r0 = _baseline_rank(0)
     r0["layers"] = [{"layer": "0:Linear", "param_bytes": 500, "forward_ms": 10.0, "grad_ready_ms": 100.0},
                     {"layer": "1:Linear", "param_bytes": 500, "forward_ms": 10.0, "grad_ready_ms": 50.0}]
-    slow = PhaseResult("dynamic", "ok", [_train_rank([1.0] * 4, "commsched", bubbles=[0.1] * 4),
-                                         _train_rank([1.0] * 4, "commsched", bubbles=[0.1] * 4)])
-    report = build_report(CONFIG, "netns", "note", {"name": "tiny"},
-                          PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), [slow])
+    return PhaseResult("baseline", "ok", [r0, _baseline_rank(1)])
+
+
+def _commsched(name, step):
+    return PhaseResult(name, "ok", [_train_rank([step] * 4, "commsched", bubbles=[0.1] * 4),
+                                    _train_rank([step] * 4, "commsched", bubbles=[0.1] * 4)])
+
+
+def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline():
+    # scaled to the baseline's forward 0.2 and backward 0.4, the link's 0.5 s split by bytes, the
+    # optimizer's 0.05 s too. Layer 0: ready 0.4, its 0.25 s of link, then the next forward
+    # (0.2) and layer 1's update (0.025); layer 1: 0.2 + 0.5 + 0.1; compute 0.65, comm 0.5.
+    report = build_report(CONFIG, "netns", "note", {"name": "tiny"}, _layered_baseline(),
+                          [_commsched("dynamic", 1.0)])
     base = report["baseline"]
     assert base["dependency_bound_s"] == pytest.approx(0.4 + 0.25 + 0.2 + 0.025)
     assert base["dependency_layer"] == "0:Linear"
@@ -59,28 +67,25 @@ def test_the_dependency_bound_comes_from_rank_0s_layers_scaled_to_the_baseline()
     assert "(+35% on max(compute, comm))" in text  # 0.875 against 0.65
     assert "contended bound 0.875 s" in text
     assert "| 0.65 (0.75; 0.88) |" in text  # efficiency (contended; combined)
-    # a strategy that splits the tied embedding changes the dependency: no combined efficiency for it
-    tied = PhaseResult("dynamic+tied", "ok", [_train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4),
-                                              _train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4)])
-    split = build_report(CONFIG, "netns", "note", {"name": "tiny"},
-                         PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), [tied])
-    assert split["results"][0]["efficiency_combined"] is None
-    assert split["results"][0]["efficiency_contended"] == pytest.approx(0.75 / 0.8)
-    # on two nodes of two ranks a strategy that may run the two-level algorithm moves fewer bytes than
-    # the bound's flat all-reduce: none for planned, hierarchical and auto there, as before for the others
-    two_nodes = {**CONFIG, "workers": 4, "nodes": 2}
-    phases = [PhaseResult(name, "ok", [_train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4),
-                                       _train_rank([0.8] * 4, "commsched", bubbles=[0.1] * 4)])
-              for name in ("planned", "hierarchical:1MiB/4MiB", "auto", "dynamic")]
-    on_two = build_report(two_nodes, "netns", "note", {"name": "tiny"},
-                          PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), phases)
-    assert [r["efficiency_combined"] is None for r in on_two["results"]] == [True, True, True, False]
-    flat = build_report(CONFIG, "netns", "note", {"name": "tiny"},  # 2 workers on 2 nodes: one rank each
-                        PhaseResult("baseline", "ok", [r0, _baseline_rank(1)]), phases)
-    assert all(r["efficiency_combined"] is not None for r in flat["results"])
     # without a per-layer profile (TensorFlow, MXNet) the fields are null and the table as before
     plain = _report([])["baseline"]
     assert plain["dependency_bound_s"] is None and plain["combined_bound_s"] is None
+
+
+def test_no_combined_efficiency_where_a_strategy_changes_what_the_bound_assumes():
+    # splitting the tied embedding reduces most of its gradient early
+    (tied,) = build_report(CONFIG, "netns", "note", {"name": "tiny"}, _layered_baseline(),
+                           [_commsched("dynamic+tied", 0.8)])["results"]
+    assert tied["efficiency_combined"] is None and tied["efficiency_contended"] == pytest.approx(0.75 / 0.8)
+    # on two nodes of two ranks a strategy that may run the two-level algorithm moves fewer bytes than
+    # the bound's flat all-reduce: none for planned, hierarchical and auto there, as before for the others
+    phases = [_commsched(name, 0.8) for name in ("planned", "hierarchical:1MiB/4MiB", "auto", "dynamic")]
+    on_two = build_report({**CONFIG, "workers": 4, "nodes": 2}, "netns", "note", {"name": "tiny"},
+                          _layered_baseline(), phases)
+    assert [r["efficiency_combined"] is None for r in on_two["results"]] == [True, True, True, False]
+    flat = build_report(CONFIG, "netns", "note", {"name": "tiny"},  # 2 workers on 2 nodes: one rank each
+                        _layered_baseline(), phases)
+    assert all(r["efficiency_combined"] is not None for r in flat["results"])
 
 
 def test_a_dependency_that_adds_under_one_percent_is_not_named_in_the_table():
