@@ -197,7 +197,7 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     spans = ranks[0]["under_comm_span_s"]
     lower = max(compute, comm)
     under = fwd_uc + bwd_uc + opt_uc
-    dependency = _dependency(ranks[0].get("layers"), fwd, bwd, optim, comm)
+    dependency = _dependency(ranks[0].get("layers"), fwd, bwd, optim, comm, max(under, comm))
     return {
         "forward_s": fwd,
         "backward_s": bwd,
@@ -219,36 +219,40 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
         "lower_bound_s": lower,
         "contended_bound_s": max(under, comm),
         **dependency,
-        "combined_bound_s": (None if dependency["dependency_bound_s"] is None
-                             else max(under, comm, dependency["dependency_bound_s"])),
         "no_overlap_s": compute + comm,
         "ddp_model_s": fwd + max(bwd, comm) + optim,
         "ceiling_speedup_vs_ddp": (fwd + max(bwd, comm) + optim) / lower,
     }
 
 
-def _dependency(layers: list[dict] | None, forward_s: float, backward_s: float, optimizer_s: float,
-                comm_s: float) -> dict[str, Any]:
-    """The baseline's ``dependency_bound_s`` and ``dependency_layer`` (module docstring) from rank 0's
-    per-layer profile (``layers``: bytes, forward ms and gradient-ready ms, measured alone), its times
-    scaled to the baseline's forward and backward; ``None`` without a profile (TensorFlow, MXNet)."""
-    none = {"dependency_bound_s": None, "dependency_layer": None}
-    rows = [r for r in layers or [] if r.get("forward_ms") is not None and not math.isnan(r["forward_ms"])]
-    if not rows or len(rows) != len(layers or []):
-        return none
-    fwd_ms = sum(r["forward_ms"] for r in rows)
-    ready_ms = max((r["grad_ready_ms"] or 0.0) for r in rows)
-    if fwd_ms <= 0 or ready_ms <= 0:
-        return none
-    bound = bound_by_bytes([forward_s * r["forward_ms"] / fwd_ms for r in rows],
-                           [None if r["grad_ready_ms"] is None else backward_s * r["grad_ready_ms"] / ready_ms
-                            for r in rows],
-                           [int(r["param_bytes"]) for r in rows], backward_s=backward_s, comm_s=comm_s,
-                           optimizer_s=optimizer_s)
+def dependency_block(bound: Any, names: Sequence[str], contended_s: float) -> dict[str, Any]:
+    """The baseline's ``dependency_bound_s``, ``dependency_layer`` and ``combined_bound_s`` (module
+    docstring) from a :class:`commsched.costmodel.bounds.DependencyBound` (``None``: no bound; all
+    three ``None``), the layers' ``names`` and the contended bound."""
     if bound is None:
-        return none
+        return {"dependency_bound_s": None, "dependency_layer": None, "combined_bound_s": None}
     return {"dependency_bound_s": bound.step_s,
-            "dependency_layer": None if bound.layer is None else rows[bound.layer]["layer"]}
+            "dependency_layer": None if bound.layer is None else names[bound.layer],
+            "combined_bound_s": max(contended_s, bound.step_s)}
+
+
+def _dependency(layers: list[dict] | None, forward_s: float, backward_s: float, optimizer_s: float,
+                comm_s: float, contended_s: float) -> dict[str, Any]:
+    """:func:`dependency_block` from rank 0's per-layer profile (``layers``: bytes, forward ms and
+    gradient-ready ms, measured alone), its times scaled to the baseline's forward and backward;
+    ``None`` fields without a usable profile (TensorFlow, MXNet)."""
+    rows = layers or []
+    usable = rows and all(r.get("forward_ms") is not None and not math.isnan(r["forward_ms"]) for r in rows)
+    fwd_ms = sum(r["forward_ms"] for r in rows) if usable else 0.0
+    ready_ms = max((r["grad_ready_ms"] or 0.0) for r in rows) if usable else 0.0
+    bound = None
+    if fwd_ms > 0 and ready_ms > 0:
+        bound = bound_by_bytes([forward_s * r["forward_ms"] / fwd_ms for r in rows],
+                               [None if r["grad_ready_ms"] is None else backward_s * r["grad_ready_ms"] / ready_ms
+                                for r in rows],
+                               [int(r["param_bytes"]) for r in rows], backward_s=backward_s, comm_s=comm_s,
+                               optimizer_s=optimizer_s)
+    return dependency_block(bound, [r["layer"] for r in rows], contended_s)
 
 
 def overlap_ratio(comm_s: float | None, compute_s: float | None, step_s: float | None,
@@ -333,7 +337,7 @@ def step_fields(steps: Sequence[float], samples_per_step: int, baseline: dict | 
         fields["overlap_ratio"], fields["exposed_comm_s"], fields["overlap_method"] = overlap_ratio(
             baseline["comm_s"], baseline["compute_s"], step)
         fields["efficiency"] = baseline["lower_bound_s"] / step
-        fields["efficiency_contended"] = _contended(baseline, step)
+        fields["efficiency_contended"] = _against(baseline, "contended_bound_s", step)
         fields["efficiency_combined"] = _against(baseline, "combined_bound_s", step)
     return fields
 
@@ -363,13 +367,8 @@ def _without_uncovered(results: list[dict], config: dict) -> list[dict]:
             for r in results]
 
 
-def _contended(baseline: dict, step: float) -> float | None:
-    """``efficiency_contended`` of a step (module docstring), or None without the bound."""
-    return _against(baseline, "contended_bound_s", step)
-
-
 def _against(baseline: dict, key: str, step: float) -> float | None:
-    """``baseline[key] / step``, or None without that bound."""
+    """``baseline[key] / step`` (an efficiency against that bound), or None without the bound."""
     bound = baseline.get(key)
     return bound / step if bound is not None and step else None
 
@@ -442,7 +441,7 @@ def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]
     fields["mean_step_time_s"] = sum(e["mean_step_time_s"] * e["measured_steps"] for e, _ in ok) / len(pooled)
     if baseline is not None and baseline.get("lower_bound_s") is not None:
         fields["efficiency"] = baseline["lower_bound_s"] / step
-        fields["efficiency_contended"] = _contended(baseline, step)
+        fields["efficiency_contended"] = _against(baseline, "contended_bound_s", step)
         fields["efficiency_combined"] = _against(baseline, "combined_bound_s", step)
         fields["overlap_ratio"], fields["exposed_comm_s"], method = overlap_ratio(
             baseline["comm_s"], baseline["compute_s"], step, rep["bubble_s"])

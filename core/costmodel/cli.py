@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from commsched.bench.picture import draw_timeline
-from commsched.bench.report import (BASELINE_KEYS, assemble_report, beats_dependency, markdown, median, result_entry,
-                                    write_json)
+from commsched.bench.report import (assemble_report, beats_dependency, dependency_block, markdown, median,
+                                    result_entry, write_json)
 from commsched.config import SchedulerConfig
 from commsched.costmodel.bounds import bound_by_bytes
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
@@ -111,18 +111,16 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
 
 
 # ----------------------------------------------------------------- reports
-def dependency_fields(profile: Profile, comm_s: float) -> dict[str, Any]:
-    """The report baseline's ``dependency_bound_s`` and ``dependency_layer`` from a profile
-    (commsched.costmodel.bounds): the one all-reduce ``comm_s`` split by bytes, each layer's update its
-    ``apply_s`` (scaled down to the optimizer's one ``step()`` where that is faster, as DDP runs it)."""
+def dependency_fields(profile: Profile, comm_s: float, contended_s: float) -> dict[str, Any]:
+    """The report baseline's dependency fields (``commsched.bench.report.dependency_block``) from a
+    profile (commsched.costmodel.bounds): the one all-reduce ``comm_s`` split by bytes, each layer's
+    update its ``apply_s`` (scaled down to the optimizer's one ``step()`` where that is faster, as DDP
+    runs it)."""
     scale = min(1.0, profile.step_optimizer_s / profile.apply_s) if profile.apply_s > 0 else 0.0
     bound = bound_by_bytes([layer.forward_s for layer in profile.layers], profile.ready_times(),
                            [layer.grad_bytes for layer in profile.layers], backward_s=profile.backward_s,
                            comm_s=comm_s, apply_s=[layer.apply_s * scale for layer in profile.layers])
-    if bound is None or comm_s <= 0:
-        return {"dependency_bound_s": None, "dependency_layer": None}
-    return {"dependency_bound_s": bound.step_s,
-            "dependency_layer": None if bound.layer is None else profile.layers[bound.layer].name}
+    return dependency_block(bound if comm_s > 0 else None, [layer.name for layer in profile.layers], contended_s)
 
 
 def predicted_report(profile: Profile, topology: Topology, results: list[SimResult], settings: SimSettings,
@@ -131,6 +129,7 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
     """The bench report schema, filled from the simulation (``"predicted": true``)."""
     comm = allreduce_s(topology, profile.grad_bytes, settings.algorithm) if topology.world_size > 1 else 0.0
     compute = profile.compute_s
+    contended = max(compute * profile.contention, comm)
     baseline = {
         "forward_s": profile.forward_s, "backward_s": profile.backward_s, "optimizer_s": profile.step_optimizer_s,
         "compute_s": compute, "compute_one_worker_s": None, "comm_s": comm, "comm_cpu_busy": None,
@@ -138,16 +137,13 @@ def predicted_report(profile: Profile, topology: Topology, results: list[SimResu
         "backward_under_comm_s": profile.backward_s * profile.contention,
         "compute_under_comm_s": compute * profile.contention, "under_comm_coverage": None,
         "comm_under_compute_s": comm * profile.comm_contention, "comm_contention": profile.comm_contention,
-        "lower_bound_s": max(compute, comm), "contended_bound_s": max(compute * profile.contention, comm),
-        **dependency_fields(profile, comm),
+        "lower_bound_s": max(compute, comm), "contended_bound_s": contended,
+        **dependency_fields(profile, comm, contended),
         "no_overlap_s": compute + comm,
         "ddp_model_s": profile.forward_s + max(profile.backward_s, comm) + profile.step_optimizer_s,
     }
     baseline["ceiling_speedup_vs_ddp"] = (max(1.0, baseline["ddp_model_s"] / baseline["lower_bound_s"])
                                           if baseline["lower_bound_s"] else None)
-    dep = baseline["dependency_bound_s"]
-    baseline["combined_bound_s"] = None if dep is None else max(baseline["contended_bound_s"], dep)
-    baseline = {k: baseline[k] for k in BASELINE_KEYS}
     samples = (batch_size or profile.batch_size or 1) * topology.world_size
     entries = []
     for r in results:
@@ -636,7 +632,7 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     comm = allreduce_s(topology, profile.grad_bytes, "ring") if topology.world_size > 1 else 0.0
     algo, algo_s = best_algorithm(topology, profile.grad_bytes) if topology.world_size > 1 else ("ring", 0.0)
     bound = max(profile.compute_s, comm)
-    dependency = dependency_fields(profile, comm)
+    dependency = dependency_fields(profile, comm, max(profile.compute_s * profile.contention, comm))
     reasons = []
     if comm <= profile.backward_s:
         reasons.append(f"communication ({comm:.3g} s) fits inside backward ({profile.backward_s:.3g} s): DDP "

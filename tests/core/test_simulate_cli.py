@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from commsched.bench.report import REPORT_KEYS, RESULT_KEYS
+from commsched.bench.report import BASELINE_KEYS, REPORT_KEYS, RESULT_KEYS
 from commsched.cli import main
 from commsched.costmodel.cli import _grid, advise, kendall_tau
 from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
@@ -44,6 +44,7 @@ def test_simulate_writes_the_bench_schema_marked_predicted(tmp_path, capsys):
     # the dependency bound (costmodel.bounds): communication-bound, and the link cannot start before
     # the last layer's gradient (first in backward) nor finish after the next forward reaches it
     base = report["baseline"]
+    assert list(base) == list(BASELINE_KEYS)
     assert base["dependency_layer"] == "l3" and base["dependency_bound_s"] > base["lower_bound_s"]
     assert all(r["step_time_s"] >= base["dependency_bound_s"] * (1 - 1e-9) for r in report["results"])
     assert base["combined_bound_s"] == max(base["contended_bound_s"], base["dependency_bound_s"])
