@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from commsched.config import parse_fusion, parse_size
 from commsched.tuner import UNLIMITED_BYTES  # what ``none`` means in ``dynamic:<partition>/<credit>``
 
-#: The orderings whose piece size and credit a strategy name may set: ``dynamic:1MiB/4MiB``
-#: (a point of a grid search over piece size x credit, to compare ``auto`` with: docs/tuning.md)
-SIZED_KINDS = ("dynamic", "static")
+#: The strategies whose piece size and credit a strategy name may set: ``dynamic:1MiB/4MiB`` (a point
+#: of a grid search over piece size x credit, to compare ``auto`` with: docs/tuning.md), and
+#: ``hierarchical:4MiB/16MiB`` (two-level pieces of two sizes side by side in one run: docs/planner.md)
+SIZED_KINDS = ("dynamic", "static", "hierarchical")
 
 #: ``auto``: the online tuner (``SchedulerConfig(ordering="auto")``; it needs steps to tune: docs/tuning.md)
 COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned", "auto")
@@ -150,6 +151,7 @@ def _one(name: str) -> StrategySpec:
         return _sized(name, kind, arg)
     raise ValueError(
         f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, sync, "
-        "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, slack or allreduce "
+        "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, "
+        "hierarchical:<partition>/<credit>, slack or allreduce "
         "(a commsched one with +tied to split tied embeddings, +whole to apply gradients whole)"
     )

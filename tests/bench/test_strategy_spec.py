@@ -16,7 +16,7 @@ def test_planned_and_hierarchical_are_commsched_strategies():
 
 
 def test_an_unknown_strategy_names_the_known_ones():
-    with pytest.raises(ValueError, match="planned, hierarchical, slack or allreduce"):
+    with pytest.raises(ValueError, match="planned, hierarchical, hierarchical:<partition>/<credit>, slack or allreduce"):
         parse_strategies("plannedd")
 
 
@@ -66,11 +66,12 @@ def test_the_auto_warm_up_runs_while_the_tuner_searches_by_what_every_rank_knows
 def test_a_grid_point_names_its_own_piece_size_and_credit():
     from commsched.bench.spec import UNLIMITED_BYTES
 
-    specs = parse_strategies("dynamic:1MiB/4MiB,static:256KiB/none,dynamic")
+    specs = parse_strategies("dynamic:1MiB/4MiB,static:256KiB/none,dynamic,hierarchical:4MiB/16MiB")
     assert [(s.kind, s.partition_bytes, s.credit_bytes) for s in specs] == [
-        ("dynamic", 1 << 20, 4 << 20), ("static", 256 << 10, UNLIMITED_BYTES), ("dynamic", None, None)]
+        ("dynamic", 1 << 20, 4 << 20), ("static", 256 << 10, UNLIMITED_BYTES), ("dynamic", None, None),
+        ("hierarchical", 4 << 20, 16 << 20)]
     assert all(s.is_commsched for s in specs)
-    assert [s.name for s in specs] == ["dynamic:1MiB/4MiB", "static:256KiB/none", "dynamic"]
+    assert [s.name for s in specs] == ["dynamic:1MiB/4MiB", "static:256KiB/none", "dynamic", "hierarchical:4MiB/16MiB"]
 
 
 @pytest.mark.parametrize("text, match", [

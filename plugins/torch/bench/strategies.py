@@ -415,14 +415,14 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
         return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
                                  cross_iteration=False, **mods)
-    if spec.kind == "hierarchical":
-        nodes = run_spec["nodes"]
-        return CommschedStrategy(model, make_opt, "dynamic", run_spec["partition_bytes"],
-                                 run_spec["credit_bytes"], timeline,
-                                 hierarchical=(nodes, run_spec["world_size"] // nodes), **mods)
-    # dynamic:<partition>/<credit> (a grid point): its own sizes; else the run's --partition-mb/--credit-mb
+    # dynamic:<partition>/<credit>, hierarchical:<...> (a grid point): its own sizes; else the run's
+    # --partition-mb/--credit-mb
     partition = spec.partition_bytes if spec.partition_bytes is not None else run_spec["partition_bytes"]
     credit = spec.credit_bytes if spec.credit_bytes is not None else run_spec["credit_bytes"]
+    if spec.kind == "hierarchical":
+        nodes = run_spec["nodes"]
+        return CommschedStrategy(model, make_opt, "dynamic", partition, credit, timeline,
+                                 hierarchical=(nodes, run_spec["world_size"] // nodes), **mods)
     return CommschedStrategy(model, make_opt, spec.kind, partition, credit, timeline, **mods)
 
 
