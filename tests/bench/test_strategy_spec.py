@@ -16,7 +16,8 @@ def test_planned_and_hierarchical_are_commsched_strategies():
 
 
 def test_an_unknown_strategy_names_the_known_ones():
-    with pytest.raises(ValueError, match="planned, hierarchical, hierarchical:<partition>/<credit>, slack or allreduce"):
+    with pytest.raises(ValueError, match="planned, hierarchical, hierarchical:<partition>/<credit>, slack or "
+                                         "allreduce"):
         parse_strategies("plannedd")
 
 
