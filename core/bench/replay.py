@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from commsched.bench.spec import file_safe
 from commsched.costmodel.collectives import ALGORITHMS, allreduce_phases
+from commsched.costmodel.profile import merged_spans, overlap_s
 from commsched.costmodel.topology import Topology
 
 __all__ = ["PieceTimes", "ReplayResult", "StepReplay", "load_pieces", "main", "replay"]
@@ -71,11 +72,6 @@ class ReplayResult:
     busy_s: float         # the link busy in that window
     held_s: float         # idle while a piece was ready on every rank and not issued on all
     starved_s: float      # idle while no piece was ready on every rank
-
-    @property
-    def measured_steps(self) -> tuple[StepReplay, ...]:
-        """The steps after the first (which has no step before it to overlap with)."""
-        return self.steps[1:]
 
     def to_dict(self) -> dict[str, Any]:
         steps = [dict(asdict(s), error_s=s.error_s) for s in self.steps]
@@ -145,20 +141,6 @@ def _split(topology: Topology, nbytes: int, algorithm: str) -> tuple[str, float,
     return link, before, held, after
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(s for s in spans if s[1] > s[0]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _covered(spans: list[tuple[float, float]], a: float, b: float) -> float:
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
-
-
 def replay(pieces: Sequence[PieceTimes], topology: Topology, algorithm: str = "ring") -> ReplayResult:
     """Replay ``pieces`` (:func:`load_pieces`) on ``topology``'s slow link with ``algorithm``'s closed form."""
     if algorithm not in ALGORITHMS:
@@ -191,11 +173,11 @@ def replay(pieces: Sequence[PieceTimes], topology: Topology, algorithm: str = "r
     if not later:
         return ReplayResult(steps, link, 0.0, 0.0, 0.0, 0.0)
     t0, t1 = min(a for a, _ in later), max(b for _, b in busy)
-    merged = [(max(a, t0), b) for a, b in _union(busy) if b > t0]
-    waiting = _union([(max(p.ready), max(p.issue)) for p in pieces])
+    merged = [(max(a, t0), b) for a, b in merged_spans(busy) if b > t0]
+    waiting = merged_spans((max(p.ready), max(p.issue)) for p in pieces)
     held_s = starved_s = 0.0
     for (_, gap_start), (gap_end, _) in zip(merged, merged[1:], strict=False):
-        covered = _covered(waiting, gap_start, gap_end)
+        covered = overlap_s(waiting, (gap_start, gap_end))
         held_s += covered
         starved_s += gap_end - gap_start - covered
     busy_s = sum(b - a for a, b in merged)
@@ -210,7 +192,7 @@ def _format(result: ReplayResult, strategy: str, algorithm: str, topology: Topol
     for s in result.steps:
         lines.append(f"| {s.step} | {s.pieces} | {s.measured_s:.3f} | {s.replayed_s:.3f} | {1e3 * s.error_s:+.1f} |")
     if result.window_s > 0:
-        n = len(result.measured_steps)
+        n = len(result.steps) - 1  # the first has no step before it to overlap with
         idle = result.window_s - result.busy_s
         lines.append(f"after the first step ({n} steps, {result.window_s:.2f} s): the link busy {result.busy_s:.2f} s "
                      f"({result.busy_s / result.window_s:.0%}); idle {idle:.2f} s, of it held {result.held_s:.2f} s "

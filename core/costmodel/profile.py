@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["SCHEMA", "TWO_LEVEL_PHASES", "LayerProfile", "Profile", "TensorSpec", "check_schema",
-           "handoff_from_times", "link_excess_from_times", "load_json", "piece_cost_fit", "pooled_start_skew",
+           "handoff_from_times", "link_excess_from_times", "load_json", "merged_spans", "overlap_s",
+           "piece_cost_fit", "pooled_start_skew",
            "read_json", "start_skew_from_times", "steal_share", "two_level_phase_fit", "two_level_phase_steps",
            "union_s", "write_json"]
 
@@ -431,6 +432,23 @@ def handoff_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"value": sum(gaps) / len(gaps) if gaps else None, "pairs": len(gaps), "p50": pick(0.5),
             "p90": pick(0.9), "how": "mean over consecutive pieces, the second ready before the first landed, "
                                      "of (last rank's issue of the second - first rank's landing of the first)"}
+
+
+def merged_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``(start, end)`` spans merged where they touch or overlap, in order."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def overlap_s(spans: Iterable[tuple[float, float]], window: tuple[float, float]) -> float:
+    """How long ``spans`` (disjoint: :func:`merged_spans`) cover of ``window``."""
+    lo, hi = window
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
 
 
 def union_s(spans: Iterable[tuple[float, float]]) -> float:

@@ -74,7 +74,7 @@ from typing import Any, Callable, Iterator
 
 from commsched.bench.spec import parse_modifiers
 from commsched.costmodel.collectives import allreduce_phases, allreduce_s
-from commsched.costmodel.profile import Profile, TensorSpec
+from commsched.costmodel.profile import Profile, TensorSpec, merged_spans, overlap_s
 from commsched.costmodel.slack import slack_order
 from commsched.costmodel.topology import Topology
 from commsched.partition import piece_bounds
@@ -825,11 +825,11 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     measured = durations[1:]  # step 0 has no previous step to overlap with
     window = (marks[1], marks[-1])
     n = len(measured)
-    exposed = _overlap(sim.waits, window) / n
-    net = _overlap(_union(sim.net_spans), window) / n  # time any collective runs (servers overlap)
+    exposed = overlap_s(sim.waits, window) / n
+    net = overlap_s(merged_spans(sim.net_spans), window) / n  # time any collective runs (servers overlap)
     overlap = 0.0 if net <= 0 else min(1.0, max(0.0, 1.0 - exposed / net))
     return SimResult(strategy=model.name, step_time_s=sum(measured) / n, exposed_comm_s=exposed, comm_busy_s=net,
-                     compute_s=_overlap(sim.busy, window) / n, overlap_ratio=overlap,
+                     compute_s=overlap_s(sim.busy, window) / n, overlap_ratio=overlap,
                      pieces_per_step=pieces_total[0] / steps, step_times_s=measured, trace=sim.trace,
                      issue_order=issue_order, handoffs_per_step=handoffs[0] / steps)
 
@@ -838,21 +838,6 @@ def planned_tensors(profile: Profile) -> list[PlannedTensor]:
     """The profile's gradients as a plan's fingerprint entries."""
     return [PlannedTensor(t.name, t.numel, t.element_size, t.shape, t.dtype)
             for layer in profile.layers for t in layer.tensors]
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def _overlap(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
-    lo, hi = window
-    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
 
 
 def simulate_all(profile: Profile, topology: Topology, strategies: list[str],
