@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from commsched.costmodel.profile import merged_spans
+
 __all__ = ["StepTimes", "format_report", "pslite_comm_s"]
 
 KEEP_STEPS = 20
@@ -124,7 +126,7 @@ class StepTimes:
             rows = []
             for n in used:
                 s = steps[n]
-                busy = _union(s.spans)
+                busy = merged_spans(s.spans)
                 row = {"step": n, "pieces": s.pieces, "bytes": s.nbytes, "comm_busy_s": sum(b - a for a, b in busy),
                        "blocked_s": s.blocked_s, "first_layer_wait_s": None, "tail_s": None,
                        "busy_in_backward_s": None, "anchor": busy[0][0] if busy else None}
@@ -159,16 +161,6 @@ class StepTimes:
             "payload_bandwidth_bytes_s": nbytes / busy if nbytes and busy else None,
             "goodput_bytes_s": nbytes / period if nbytes and period else None,
         }
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def pslite_comm_s(topology: Any, nbytes: float, pieces: float, servers: int) -> float:
