@@ -150,6 +150,16 @@ class Profile:
     gives the intra-node phases only: the inter-node one measured 1.06 × its closed form, and priced
     so it moved the prediction away from the bench (its ``meta.two_level``; docs/simulator.md).
     ``None`` (or a phase left out): the closed form as for any collective.
+    ``two_level_skew_s``: how long after a gradient is ready on the simulated rank a two-level piece
+    of it can start, the credit held meanwhile: the ranks' start skew of two-level pieces (the
+    last rank's issue of a step's first piece minus the first rank's, mean over the steps of
+    ``commsched profile``'s two-level runs: :func:`start_skew_from_times`). On several nodes of
+    ranks sharing cores, node 1's ranks end a step's last all-gather later than node 0's and start
+    the next backward that much later, so every piece waits for them; a piece decided later than
+    that after its gradient was ready pays nothing. Measured on 2 nodes × 2 ranks on 2 cores
+    (balanced, 500 Mbit/s): 174 ms, against 47 ms for flat pieces, which the simulator does not
+    charge (as a delay of flat pieces it made the saved 2 × 2 grids worse; docs/simulator.md). 0
+    where not measured, and on GPUs.
     ``ranged``: the tensors whose update the runtime may run range by range while the next
     forward waits for their pieces (PyTorch's ranged apply: cross-iteration, an element-wise
     optimizer class on CPU whose state is shaped like the parameter); ``()`` none (on a GPU,
@@ -175,6 +185,7 @@ class Profile:
     per_task_submit_s: float = 0.0
     per_piece_link_s: float = 0.0
     two_level_phases: dict[str, tuple[float, float]] | None = None
+    two_level_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -198,6 +209,7 @@ class Profile:
         _check_time("profile", "per_grad_hook_s", self.per_grad_hook_s)
         _check_time("profile", "per_task_submit_s", self.per_task_submit_s)
         _check_time("profile", "per_piece_link_s", self.per_piece_link_s)
+        _check_time("profile", "two_level_skew_s", self.two_level_skew_s)
         if self.optimizer_step_s is not None:
             _check_time("profile", "optimizer_step_s", self.optimizer_step_s)
         if self.two_level_phases is not None:
@@ -291,7 +303,8 @@ class Profile:
                        comm_contention=self.comm_contention, per_piece_steal_s=self.per_piece_steal_s,
                        tied=self.tied, handoff_s=self.handoff_s, ranged=self.ranged,
                        per_grad_hook_s=self.per_grad_hook_s, per_piece_link_s=self.per_piece_link_s,
-                       per_task_submit_s=self.per_task_submit_s, two_level_phases=self.two_level_phases)
+                       per_task_submit_s=self.per_task_submit_s, two_level_phases=self.two_level_phases,
+                       two_level_skew_s=self.two_level_skew_s)
 
     def with_tied_split(self, names: Sequence[str] | None = None, *, ready_s: float | None = None) -> "Profile":
         """The step as ``split_tied_embeddings=True`` runs it: each tied weight's gradient (``names``,
@@ -383,7 +396,8 @@ class Profile:
                        per_task_submit_s=float(data.get("per_task_submit_s", 0.0)),
                        per_piece_link_s=float(data.get("per_piece_link_s", 0.0)),
                        two_level_phases=None if data.get("two_level_phases") is None else {
-                           str(k): (float(v[0]), float(v[1])) for k, v in data["two_level_phases"].items()})
+                           str(k): (float(v[0]), float(v[1])) for k, v in data["two_level_phases"].items()},
+                       two_level_skew_s=float(data.get("two_level_skew_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ValueError(f"the profile is missing or mistypes a field ({exc}); see "
                              "commsched.costmodel.profile for the schema") from None
@@ -552,8 +566,9 @@ def start_skew_from_times(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     in flight): the last rank's issue of it minus the first rank's. Every rank must issue each piece
     before it can move, so the network waits that long for the slowest rank, and the rest of the
     step's pieces with it. ``value``: the mean over steps (``median`` beside it); ``None`` without a
-    step every rank recorded. :func:`pooled_start_skew` pools several runs. A diagnostic
-    (``commsched profile``'s ``meta.start_skew``): as a delay of every piece it made the simulator's
+    step every rank recorded. :func:`pooled_start_skew` pools several runs. ``commsched profile``
+    keeps it per algorithm in ``meta.start_skew``; the two-level one is ``Profile.two_level_skew_s``.
+    The flat one stays a diagnostic: as a delay of every flat piece it made the simulator's
     predictions worse (docs/simulator.md, "Two-level phases and the ranks' start skew")."""
     if not ranks:
         raise ValueError("start_skew_from_times needs the stats of at least one rank")

@@ -17,7 +17,10 @@ piece that waited for the one before it to land (the credit held one piece) star
 idle link ``profile.handoff_s`` after that one ended: the completion, the dispatch and the
 last rank's issue, measured by ``commsched profile`` with one piece in flight. Where the
 credit holds more, the next piece is already queued behind the one on the link and pays
-nothing.
+nothing. A two-level piece also waits, holding its credit, until ``profile.two_level_skew_s``
+after its gradient was ready here: the other ranks' start skew (node 1's ranks start a step
+later where ranks share cores), measured by ``commsched profile``; a piece decided later than
+that pays nothing, so a shallow credit starves the link where a deep one does not.
 
 The commsched strategies (``fifo``, ``dynamic``, ``static``) are not a second
 implementation: their pieces are the scheduler's own :class:`~commsched.task.Task`
@@ -601,13 +604,24 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
                 dispatch(piece.task.step, landed=True)
             piece_algorithm = piece.algorithm if plan is not None else model.algorithm
             sim.steal(profile.per_piece_steal_s)
+            # a two-level piece waits, holding the credit, for the ranks' start skew after its gradient was
+            # ready here (Profile.two_level_skew_s); one decided later than that pays nothing
+            late = skew_left(piece, piece_algorithm)
             if landed and profile.handoff_s > 0 and link_idle(piece.nbytes, piece_algorithm):
                 handoffs[0] += 1
-                sim.after(profile.handoff_s, functools.partial(send_piece, piece.nbytes, piece.name, done,
-                                                               piece_algorithm))
+                late = max(late, profile.handoff_s)
+            if late > 0:
+                sim.after(late, functools.partial(send_piece, piece.nbytes, piece.name, done, piece_algorithm))
             else:
                 send_piece(piece.nbytes, piece.name, done, piece_algorithm)
             landed = False
+
+    def skew_left(piece: Piece, piece_algorithm: str | None) -> float:
+        """What is left now of the ranks' start skew of a two-level piece (``Profile.two_level_skew_s``,
+        counted from when its task was submitted here); 0 for a flat piece."""
+        if not profile.two_level_skew_s or not phases_of(piece.nbytes, piece_algorithm):
+            return 0.0
+        return max(0.0, piece.task.submitted_us * 1e-6 + profile.two_level_skew_s - sim.now)
 
     def link_idle(nbytes: int, piece_algorithm: str | None) -> bool:
         """Whether the server a piece starts on (a two-level piece's reduce-scatter, else the

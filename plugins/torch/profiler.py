@@ -80,8 +80,9 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: 5: ``per_grad_hook_s`` measured; 6: ``comm_contention`` from the all-reduce's own end, not work.wait()'s;
 #: 7: ``per_piece_link_s`` measured; 8: ``per_task_submit_s`` split from ``per_grad_hook_s``; 9: ``per_piece_link_s``
 #: the slope over two piece sizes; 10: ``two_level_phases`` measured on several nodes of several ranks; 11: the
-#: ``dynamic`` runs measured with ``decide_ahead``, rank 0 publishing an ended step's rest at once).
-CACHE_VERSION = 11
+#: ``dynamic`` runs measured with ``decide_ahead``, rank 0 publishing an ended step's rest at once; 12:
+#: ``two_level_skew_s``, the two-level runs' start skew, charged to two-level pieces).
+CACHE_VERSION = 12
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
@@ -756,6 +757,7 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
                                per_grad_hook_s=hook["value"], per_task_submit_s=hook["per_task_submit_s"],
                                per_piece_link_s=link["value"] or 0.0,
                                two_level_phases=_intra_node_phases(two_level),
+                               two_level_skew_s=(skew.get("hierarchical") or {}).get("value") or 0.0,
                                meta=dict(prof.meta, grad_hook=hook, link_excess=link, two_level=two_level,
                                          start_skew=skew))
     shutil.rmtree(work_dir, ignore_errors=True)
@@ -818,10 +820,11 @@ def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, b
 
 
 def _start_skew(ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``meta.start_skew`` per algorithm (a diagnostic the simulator does not use: docs/simulator.md, "Two-level
-    phases and the ranks' start skew"): :func:`~commsched.costmodel.profile.start_skew_from_times` over the steps
+    """``meta.start_skew`` per algorithm: :func:`~commsched.costmodel.profile.start_skew_from_times` over the steps
     of every short ``dynamic`` run the profile made, flat (the ``sched_cpu``, hand-off and small-pieces runs) and
-    two-level (:func:`_two_level_stats`, where made), pooled per algorithm."""
+    two-level (:func:`_two_level_stats`, where made), pooled per algorithm. The two-level value is
+    ``Profile.two_level_skew_s``; the flat one a diagnostic the simulator does not use (docs/simulator.md,
+    "Two-level phases and the ranks' start skew")."""
     runs = {"ring": [[r.get(key) or {} for r in ranks] for key in ("sched_cpu", "handoff", "small_pieces")]}
     if all(r.get("two_level") for r in ranks):
         runs["hierarchical"] = [[r["two_level"][i] for r in ranks] for i in range(2)]
@@ -1172,8 +1175,9 @@ def format_profile(prof: Profile) -> str:
     skew = {k: v["value"] for k, v in (prof.meta.get("start_skew") or {}).items() if v.get("value") is not None}
     if skew:
         rows.append("the last rank starts a step's communication " + ", ".join(
-            f"{seconds * 1e3:.1f} ms" + (" (two-level)" if algorithm == "hierarchical" else "")
-            for algorithm, seconds in skew.items()) + " after the first (mean over the profile's steps; not modelled)")
+            f"{seconds * 1e3:.1f} ms"
+            + (" (two-level, modelled)" if algorithm == "hierarchical" else " (flat, not modelled)")
+            for algorithm, seconds in skew.items()) + " after the first (mean over the profile's steps)")
     if prof.per_grad_hook_s:
         tensors = sum(len(layer.tensors) for layer in prof.layers)
         rows.append(f"commsched's gradient hook: {prof.per_grad_hook_s * 1e6:.0f} us a gradient on the training "

@@ -579,3 +579,31 @@ def test_the_zoo_ranges_updates_on_cpu_only_as_the_runtime_does():
     # The runtime's ranged apply is CPU-only (on CUDA the division runs on the stream, after the last piece).
     assert zoo_profile("resnet50", "h100").ranged == ()
     assert zoo_profile("resnet50", "cpu", dtype="fp32").ranged is None
+
+
+def test_a_two_level_piece_waits_for_the_ranks_start_skew_holding_its_credit():
+    topo = Topology(nodes=2, ranks_per_node=2, intra=Link(0.0, 10e9), inter=Link(0.0, 125e6))
+    prof = profile_of([4] * 8)
+    skew = 0.05
+    late = dataclasses.replace(prof, two_level_skew_s=skew)
+
+    def step(p, strategy, credit_mb):
+        return simulate(p, topo, strategy, SimSettings(steps=4, credit_bytes=int(credit_mb * MB))).step_time_s
+    # flat pieces and the peers do not wait for it
+    for strategy in ("dynamic", "fifo", "ddp", "horovod"):
+        assert step(late, strategy, 4) == step(prof, strategy, 4), strategy
+    # a credit of one piece: every piece decided as its gradient is ready waits the skew with the link
+    # idle behind it; a credit deep enough to hold the step's pieces pays it about once a step (the
+    # first layer's pieces, ready last, wait it before the next forward can start)
+    shallow = step(late, "hierarchical", 1) - step(prof, "hierarchical", 1)
+    deep = step(late, "hierarchical", 64) - step(prof, "hierarchical", 64)
+    assert 0 < deep <= skew * 1.001
+    assert shallow > 2 * skew and shallow > 2 * deep
+    # the profile keeps it; one written before the field existed has none; a negative one is refused
+    again = Profile.from_dict(json.loads(json.dumps(late.to_dict())))
+    assert again.two_level_skew_s == skew and again.scaled(compute=2.0).two_level_skew_s == skew
+    data = late.to_dict()
+    del data["two_level_skew_s"]
+    assert Profile.from_dict(data).two_level_skew_s == 0.0
+    with pytest.raises(ValueError, match="two_level_skew_s=-0.1 must be a finite number of seconds"):
+        dataclasses.replace(prof, two_level_skew_s=-0.1)

@@ -321,13 +321,15 @@ def test_a_profile_on_two_nodes_measures_the_two_level_phases_and_how_late_the_l
     skew = prof.meta["start_skew"]
     assert [len(skew[a]["steps"]) for a in ("ring", "hierarchical")] == [9, 2 * TWO_LEVEL_STEPS]
     assert all(skew[a]["value"] >= 0 for a in ("ring", "hierarchical"))
+    # the simulator charges two-level pieces the two-level skew; the flat one stays a diagnostic
+    assert prof.two_level_skew_s == skew["hierarchical"]["value"]
     text = format_profile(prof)
     assert "two-level pieces, measured per phase" in text and "starts a step's communication" in text
     # one node: neither two-level runs nor a two-level skew
     flat = load_or_profile("tiny", workers=2, network="loopback", steps=3, warmup=1, cache_dir=tmp_path,
                            log_stream=open(os.devnull, "w"))
     assert flat.two_level_phases is None and flat.meta["two_level"] is None
-    assert set(flat.meta["start_skew"]) == {"ring"}
+    assert set(flat.meta["start_skew"]) == {"ring"} and flat.two_level_skew_s == 0.0
 
 
 _STAMP_CHILD = """
