@@ -640,11 +640,19 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     # lasts what was measured instead, compute beside it included.
     piece_extra_s = profile.per_piece_cpu_s + profile.per_piece_link_s
 
+    phase_costs: dict[int, tuple] = {}  # two-level phases once per piece size, as ``costs`` above
+
     def phases_of(nbytes: int, piece_algorithm: str | None) -> tuple:
         """The three phases of a two-level piece; () where it is one collective (one node, one rank
-        per node, nothing to move, or the flat ring)."""
-        phases = allreduce_phases(topology, nbytes, "hierarchical") if piece_algorithm == "hierarchical" else ()
-        return tuple(phases) if len(phases) == 3 else ()
+        per node, nothing to move, or the flat ring). Asked up to three times a piece (its start
+        skew, whether its server is idle, its send)."""
+        if piece_algorithm != "hierarchical":
+            return ()
+        phases = phase_costs.get(nbytes)
+        if phases is None:
+            phases = tuple(allreduce_phases(topology, nbytes, "hierarchical"))
+            phases = phase_costs[nbytes] = phases if len(phases) == 3 else ()
+        return phases
 
     def send_piece(nbytes: int, name: str, done: Callable[[], None], piece_algorithm: str | None) -> None:
         """A commsched piece: one collective, or a two-level one through the three-phase pipeline."""
