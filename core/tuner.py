@@ -86,8 +86,9 @@ from typing import Any, Callable, Optional, Protocol
 from commsched.errors import CommschedError, CommschedTimeout
 from commsched.progress import Progress
 
-__all__ = ["AgreedSwitch", "DDP_BUCKET_BYTES", "DDP_SMALL_BUCKET_BYTES", "Decision", "PLANNED", "SearchSpace",
-           "Settings", "Tuner", "UNLIMITED_BYTES", "OptunaSampler", "Sampler", "ModelStarts", "model_starts", "spread"]
+__all__ = ["AgreedSwitch", "DDP_BUCKET_BYTES", "DDP_SMALL_BUCKET_BYTES", "Decision", "PLANNED", "REDUCER",
+           "SearchSpace", "Settings", "Tuner", "UNLIMITED_BYTES", "OptunaSampler", "Sampler", "ModelStarts",
+           "model_starts", "spread"]
 
 log = logging.getLogger("commsched.tuner")
 
@@ -105,6 +106,10 @@ DDP_SMALL_BUCKET_BYTES = 1 * MIB
 #: The ordering of a start point that runs a plan of the cost model's planner (:func:`model_starts`);
 #: outside :class:`SearchSpace` (a plan is one point, made for this model and topology, not a grid axis)
 PLANNED = "planned"
+#: ``Settings.ordering`` of a start where torch's own C++ reducer (DDP's) reduces the gradients in buckets of
+#: ``fusion_bytes``, on the synchronous path, and commsched schedules nothing (PyTorch plugin; where
+#: communication is hidden already its per-piece Python costs what no schedule wins back: docs/tuning.md)
+REDUCER = "reducer"
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,8 @@ class Settings:
     def describe(self) -> str:
         if self.ordering == PLANNED:
             return f"planned (plan {self.plan[:12]}, credit={_size(self.credit_bytes)})"
+        if self.ordering == REDUCER:
+            return f"torch's reducer (DDP's, buckets {_size(self.fusion_bytes)}) synchronous"
         return (f"{self.ordering} partition={_size(self.partition_bytes)} credit={_size(self.credit_bytes)} "
                 f"fusion={_size(self.fusion_bytes) if self.fusion_bytes else 'off'}"
                 + ("" if self.cross_iteration else " synchronous"))

@@ -19,8 +19,10 @@ COMMSCHED_ORDERINGS = ("fifo", "dynamic", "static", "planned", "auto")
 #: reduced by the two-level algorithm, to attribute the algorithm's gain alone) and ``slack``
 #: (``dynamic`` ranked by the seed's slack rule, ``priority="slack"``) and ``sync`` (``fifo`` on the
 #: synchronous path, ``cross_iteration=False``: ``step()`` waits for every reduction and runs the
-#: wrapped optimizer once, as DDP does; the setting for where communication is already hidden)
-COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical", "slack", "sync")
+#: wrapped optimizer once, as DDP does; the setting for where communication is already hidden) and
+#: ``reducer[:<MB>]`` (commsched's optimizer handing every gradient to torch's own C++ reducer, DDP's, with
+#: buckets of that size, default 25: the engine ``auto`` may choose where communication is hidden)
+COMMSCHED_KINDS = (*COMMSCHED_ORDERINGS, "hierarchical", "slack", "sync", "reducer")
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,8 @@ class StrategySpec:
     """A parsed ``--strategies`` entry."""
 
     name: str  # as the user wrote it, e.g. "ddp:4"
-    kind: str  # ddp | horovod | fifo | sync | dynamic | static | planned | auto | hierarchical | slack | allreduce
-    bucket_mb: float | None = None
+    kind: str  # ddp | horovod | fifo | sync | reducer | dynamic | static | planned | auto | hierarchical | slack
+    bucket_mb: float | None = None  # ddp:<MB>, reducer:<MB>
     #: ``dynamic:<partition>/<credit>``: this strategy's own piece size and credit in bytes
     #: (``UNLIMITED_BYTES`` for ``none``); None: the run's ``--partition-mb``/``--credit-mb``
     partition_bytes: int | None = None
@@ -134,23 +136,23 @@ def parse_modifiers(name: str, modifiers: list[str], *, commsched: bool, planned
 def _one(name: str) -> StrategySpec:
     """One ``--strategies`` entry without a modifier."""
     kind, _, arg = name.partition(":")
-    if kind == "ddp":
+    if kind in ("ddp", "reducer"):
         mb = None
         if arg:
             try:
                 mb = float(arg)
             except ValueError:
                 mb = -1.0
-            if not mb > 0:
+            if not (mb > 0 and mb < 1e6):
                 raise ValueError(f"strategy {name!r}: bucket size must be a positive "
-                                 "number of MB, e.g. ddp:4")
-        return StrategySpec(name, "ddp", mb)
+                                 f"number of MB, e.g. {kind}:4")
+        return StrategySpec(name, kind, mb)
     if kind in ("horovod", "allreduce", *COMMSCHED_KINDS) and not arg:
         return StrategySpec(name, kind)
     if kind in SIZED_KINDS:
         return _sized(name, kind, arg)
     raise ValueError(
-        f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, sync, "
+        f"unknown strategy {name!r}; use ddp, ddp:<bucket MB>, horovod, fifo, sync, reducer, reducer:<bucket MB>, "
         "dynamic, dynamic:<partition>/<credit>, static, auto, planned, hierarchical, "
         "hierarchical:<partition>/<credit>, slack or allreduce "
         "(a commsched one with +tied to split tied embeddings, +whole to apply gradients whole)"

@@ -92,8 +92,8 @@ MB = 1 << 20
 UNLIMITED = 1 << 60
 #: The simulated network's servers (see ``_Sim``).
 SERVERS = ("net", "rs", "ar", "ag")
-SIM_STRATEGIES = ("ddp", "ddp:<MB>", "horovod", "allreduce", "fifo", "sync", "dynamic", "static", "hierarchical",
-                  "planned", "slack")
+SIM_STRATEGIES = ("ddp", "ddp:<MB>", "reducer[:<MB>]", "horovod", "allreduce", "fifo", "sync", "dynamic", "static",
+                  "hierarchical", "planned", "slack")
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,9 @@ def parse_sim_strategy(name: str) -> StrategyModel:
                                         planned=model.ordering == "planned", allowed=("tied", "fuse"))
         return replace(model, name=name.strip(), split_tied="tied" in kinds, fusion_bytes=fusion)
     kind, _, arg = name.strip().partition(":")
-    if kind == "ddp":
+    if kind == "reducer":  # torch's reducer under commsched's optimizer: DDP's engine, with explicit buckets
+        arg = arg or "25"
+    if kind in ("ddp", "reducer"):
         if not arg:
             return StrategyModel(name, "ddp")
         try:
@@ -197,7 +199,7 @@ def parse_sim_strategy(name: str) -> StrategyModel:
         except ValueError:
             mb = -1.0
         if not (mb > 0 and math.isfinite(mb)):
-            raise ValueError(f"strategy {name!r}: the bucket size must be a positive number of MB, e.g. ddp:4")
+            raise ValueError(f"strategy {name!r}: the bucket size must be a positive number of MB, e.g. {kind}:4")
         return StrategyModel(name, "ddp", bucket_bytes=int(mb * MB))
     if arg:
         raise ValueError(f"strategy {name!r} takes no argument; known: {', '.join(SIM_STRATEGIES)}")

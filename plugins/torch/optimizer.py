@@ -54,7 +54,7 @@ from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
-from commsched.tuner import (DDP_BUCKET_BYTES, DDP_SMALL_BUCKET_BYTES, PLANNED, UNLIMITED_BYTES, AgreedSwitch,
+from commsched.tuner import (DDP_BUCKET_BYTES, DDP_SMALL_BUCKET_BYTES, PLANNED, REDUCER, UNLIMITED_BYTES, AgreedSwitch,
                              Decision, SearchSpace, Settings, Tuner, model_starts)
 from commsched.plugins.torch.backends import (all_gather_rows, default_store, destroy_own_group, make_backend,
                                               own_group, resolve_backend)
@@ -62,6 +62,7 @@ from commsched.plugins.torch.cuda import CudaTask
 from commsched.plugins.torch.tensor_ops import TorchOps, check_gradient
 from commsched.costmodel.profile import Profile
 from commsched.plugins.torch.profiler import StepRecorder, profile_recorded
+from commsched.plugins.torch.reducer import DdpReducer, reducer_eligible
 
 __all__ = ["DistributedOptimizer"]
 
@@ -265,6 +266,9 @@ TUNER_OPTIONS: dict[str, Any] = dict(sample_steps=4, settle=1, max_samples=20, m
 #: advised runtime setting, else not at all; None: the planner's own margin (``PlanSearch.min_gain``,
 #: the model's measured error).
 AUTO_PLAN_MIN_GAIN: float | None = None
+#: The bucket sizes of the starts where ``auto`` measures torch's own reducer (DDP's): ``bucket_cap_mb`` 1 and 4,
+#: the fastest DDPs on the bench's shaped and unshaped networks (docs/tuning.md)
+REDUCER_BUCKETS = (1 << 20, 4 << 20)
 
 tuner_log = logging.getLogger("commsched.tuner")
 
@@ -548,6 +552,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._lean_cache: dict[int, bool] = {}
         # CUDA: (step, streams, event where the compute stream needed a gradient, its done event)
         self._gpu_waits: list[tuple] = []
+        # auto's tuner may hand the gradients to torch's own C++ reducer (DDP's; reducer.py): while it runs,
+        # the hooks submit nothing. Whether every parameter got a gradient in every step so far (its contract).
+        self._reducer: Optional[DdpReducer] = None
+        self._hooked = 0  # gradient hooks of this step
+        self._every_grad = True
 
         # From here on threads and groups exist: any failure closes what was made.
         self._backend = make_backend(backend, process_group, self.config.timeout_s)
@@ -735,26 +744,37 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         of the first steps on the topology (:func:`commsched.tuner.model_starts`: the planner's plan
         where it is predicted more than :data:`AUTO_PLAN_MIN_GAIN` ahead, then the advised setting, which
         is the config's own unless the model puts another more than its error ahead), then the config's
-        own settings, plain fifo without partition or credit, and DDP's own shape: that on the
-        synchronous path with small buckets as the fusion threshold (:data:`DDP_SMALL_BUCKET_BYTES`, the
-        fastest DDP where the link is shaped) and with DDP's default bucket (:data:`DDP_BUCKET_BYTES`),
-        where communication is hidden already the fastest (docs/tuning.md)."""
+        own settings, plain fifo without partition or credit, and DDP itself: torch's C++ reducer with
+        1 and 4 MiB buckets (:data:`REDUCER_BUCKETS`; the fastest DDPs on the bench's networks), which
+        wins where communication is hidden already and commsched's per-piece Python is all it adds
+        (docs/tuning.md). Where the reducer cannot run (Horovod, an unused parameter in a recorded
+        step, gradient accumulation, split tied embeddings: :meth:`_reducer_unavailable`), DDP's shape
+        inside commsched instead: fifo on the synchronous path with small buckets as the fusion
+        threshold (:data:`DDP_SMALL_BUCKET_BYTES`) and with DDP's default bucket (:data:`DDP_BUCKET_BYTES`)."""
         cross = self._requested.cross_iteration
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
                        self._requested.fusion_bytes, cross_iteration=cross)
         plain_fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, self._requested.fusion_bytes,
                               cross_iteration=cross)
-        ddp_small = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_SMALL_BUCKET_BYTES, cross_iteration=False)
-        ddp_like = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_BUCKET_BYTES, cross_iteration=False)
         # The synchronous path is the tuner's to choose only where the user asked for cross-iteration
         # (a user who asked for the synchronous path reads p.grad or uses a closure or AMP: it stays).
         space = SearchSpace(cross_iterations=(True, False) if cross else (False,))
-        last = (plain_fifo, ddp_small, ddp_like)
+        why_not = self._reducer_unavailable()
+        if why_not is None:
+            ddp = tuple(Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, b, cross_iteration=False)
+                        for b in REDUCER_BUCKETS)
+        else:
+            ddp = (Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_SMALL_BUCKET_BYTES, cross_iteration=False),
+                   Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_BUCKET_BYTES, cross_iteration=False))
+        last = (plain_fifo, *ddp)
         found = model_starts(self.profile(), self._topology_or_default(), self._requested.fusion_bytes,
                              plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S, default=own)
         for note in found.notes:
             tuner_log.info("%s", note)
         self._auto_plans, self._auto_notes = found.plans, list(found.notes)
+        if why_not is not None:
+            self._auto_notes.append(f"torch's reducer is not among the starts: {why_not}")
+            tuner_log.info("%s", self._auto_notes[-1])
         starts = [s if s.ordering == PLANNED or s.cross_iteration in space.cross_iterations
                   else dataclasses.replace(s, cross_iteration=cross) for s in found.starts] or [own]
         return Tuner(starts[0], extra_starts=(*starts[1:], own, *last), space=space, **TUNER_OPTIONS)
@@ -780,16 +800,26 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             self._rebuild(dataclasses.replace(self.config, ordering="planned", plan=None,
                                               cross_iteration=self._requested.cross_iteration),
                           plan=Plan.from_dict(decision.plan))
+        elif decision.settings is not None and decision.settings.ordering == REDUCER:
+            # torch's reducer: commsched's scheduler idles (fifo, synchronous, nothing submitted)
+            self._rebuild(dataclasses.replace(self.config, ordering="fifo", partition_bytes=UNLIMITED_BYTES,
+                                              credit_bytes=UNLIMITED_BYTES, fusion_bytes=0, plan=None,
+                                              cross_iteration=False),
+                          reducer_bytes=decision.settings.fusion_bytes)
         elif decision.settings is not None:
             st = decision.settings
             self._rebuild(dataclasses.replace(self.config, ordering=st.ordering, partition_bytes=st.partition_bytes,
                                               credit_bytes=st.credit_bytes, fusion_bytes=st.fusion_bytes, plan=None,
                                               cross_iteration=st.cross_iteration))
 
-    def _rebuild(self, config: SchedulerConfig, plan: Optional[Plan] = None) -> None:
+    def _rebuild(self, config: SchedulerConfig, plan: Optional[Plan] = None,
+                 reducer_bytes: Optional[int] = None) -> None:
         """Replace the scheduler with one of ``config`` (and ``plan``), with nothing in flight: every
-        gradient submitted so far is reduced and applied first; fusion groups are made anew."""
+        gradient submitted so far is reduced and applied first; fusion groups are made anew.
+        ``reducer_bytes``: torch's reducer, with buckets of that size, reduces from the next forward on
+        (the step boundary: its last backward, if it ran one, finished in ``step()``)."""
         self.synchronize()
+        self._close_reducer()
         old = self._scheduler
         self._retired.append(dict(old.stats(), base_step=self._sched_base_step))
         self._engine.keep_open = True
@@ -820,6 +850,32 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 log.exception("closing the backend after a failed switch")
             raise
         self._sched_base_step = self._steps
+        if reducer_bytes is not None:
+            self._start_reducer(reducer_bytes)
+
+    def _start_reducer(self, bucket_bytes: int) -> None:
+        """From the next forward on, torch's reducer (buckets of ``bucket_bytes``) reduces every gradient and
+        commsched's scheduler idles. At a step boundary with nothing in flight, on the synchronous path
+        (``_rebuild`` for ``auto``; the bench's ``reducer`` strategy right after construction)."""
+        why_not = self._reducer_unavailable()
+        if why_not is not None or self._cross:
+            raise CommschedError(f"torch's reducer cannot reduce this optimizer's gradients: "
+                                 f"{why_not or 'it runs on the synchronous path only (cross_iteration=False)'}")
+        self._reducer = DdpReducer([s.param for s in self._params], self._backend.group, bucket_bytes,
+                                   [s.name for s in self._params])
+
+    def _close_reducer(self) -> None:
+        reducer, self._reducer = getattr(self, "_reducer", None), None
+        if reducer is not None:
+            reducer.close()
+
+    def _reducer_unavailable(self) -> Optional[str]:
+        """Why torch's reducer may not stand in here (:func:`~commsched.plugins.torch.reducer.reducer_eligible`)."""
+        return reducer_eligible(backend=self.backend, op=self._op, predivide=self._predivide,
+                                passes=self.backward_passes_per_step, split=bool(self._split_states),
+                                has_model=self.model is not None,
+                                every_param_every_step=self._every_grad and not self._orphans,
+                                params=[s.param for s in self._params])
 
     def _abandon(self) -> None:
         """Undo a constructor that failed after the threads started: remove the hooks,
@@ -828,6 +884,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._close_reducer()
         self._close_splits()
         try:
             self._scheduler.close(5.0)
@@ -946,6 +1003,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         def hook(param: torch.Tensor) -> None:
             self._backward_seen = True
             if not self._sync_enabled:
+                return
+            self._hooked += 1
+            if self._reducer is not None:  # torch's reducer has this gradient (its own C++ hook)
                 return
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
@@ -1138,6 +1198,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         return hook
 
     def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self._reducer is not None and self._sync_enabled and torch.is_grad_enabled():
+            self._reducer.before_forward()  # as DDP's forward: arm its hooks for this forward's backward
         if self._orphans:
             self._ready(self._orphans, "forward")
 
@@ -1410,6 +1472,11 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             # whatever p.grad holds, locally, and do not count it as a training step.
             return self.optimizer.step(closure)
         self._backward_seen = False
+        if self._reducer is not None:
+            self._reducer.check_finished()  # every bucket reduced and averaged into p.grad, or a clear error
+        elif self._hooked < len(self._params):
+            self._every_grad = False  # a parameter without a gradient this step: torch's reducer cannot run here
+        self._hooked = 0
         loss = None
         for fusion in self._fusions:
             if fusion.arrived and not fusion.strict:
@@ -1568,6 +1635,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             "bytes": sched["bytes"] + sum(r["bytes"] for r in self._retired),
             "cross_iteration": self._cross,
             "ordering": self.config.ordering,
+            # "torch-reducer": torch's own C++ reducer (DDP's) reduces every gradient; commsched schedules none
+            "engine": "commsched" if self._reducer is None else "torch-reducer",
+            **({"reducer": {"bucket_bytes": self._reducer.bucket_bytes, "backwards": self._reducer.armed}}
+               if self._reducer is not None else {}),
             **adaptive,
             "priorities": {s.name: s.priority for s in sorted(self._params, key=lambda s: s.priority)},
             **({"slack": dict(self._slack, alpha=self.config.slack_alpha)} if self._slack else {}),
@@ -1635,6 +1706,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
+            self._close_reducer()
             self._close_splits()
             if self._tuner is not None:
                 self._tuner.close()  # its progress bar, on rank 0's terminal

@@ -40,6 +40,21 @@ def test_sync_is_a_commsched_strategy_named_in_the_error():
         parse_strategies("synch")
 
 
+def test_reducer_is_a_commsched_strategy_with_ddps_bucket_sizes_in_the_bench_and_the_simulator():
+    from commsched.costmodel.simulator import parse_sim_strategy
+
+    plain, one = parse_strategies("reducer,reducer:1")
+    assert (plain.kind, plain.bucket_mb, one.bucket_mb) == ("reducer", None, 1.0) and plain.is_commsched
+    for bad in ("reducer:0", "reducer:x", "reducer:-4"):
+        with pytest.raises(ValueError, match="positive number of MB, e.g. reducer:4"):
+            parse_strategies(bad)
+    with pytest.raises(ValueError, match="sync, reducer, reducer:<bucket MB>"):
+        parse_strategies("reduce")
+    # the simulator predicts it as DDP with those buckets (its engine is DDP's): 25 MiB unless given
+    assert parse_sim_strategy("reducer").bucket_bytes == 25 << 20
+    assert (parse_sim_strategy("reducer:4").kind, parse_sim_strategy("reducer:4").bucket_bytes) == ("ddp", 4 << 20)
+
+
 def test_the_auto_warm_up_runs_while_the_tuner_searches_by_what_every_rank_knows():
     """The bench warms ``auto`` up until its tuner settles: judged from the agreed decisions (next and
     pending decision, switches), which every rank has alike, never from rank 0's private phase."""

@@ -129,7 +129,7 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
                          alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0,
                          auto_plan=False, plan_order="fixed", auto_sync_first=False, split_tied=False,
-                         dp_groups=1)
+                         dp_groups=1, auto_reducer_first=False)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -219,6 +219,10 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             from commsched.tuner import UNLIMITED_BYTES, ModelStarts, Settings
             sync = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, sc["fusion"], cross_iteration=False)
             optimizer_module.model_starts = lambda *a, **k: ModelStarts([sync], {}, ["test: synchronous first"])
+        if sc["auto_reducer_first"]:  # the model's only start: torch's reducer with 4 KiB buckets (several)
+            from commsched.tuner import REDUCER, UNLIMITED_BYTES, ModelStarts, Settings
+            red = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, 4096, cross_iteration=False)
+            optimizer_module.model_starts = lambda *a, **k: ModelStarts([red], {}, ["test: torch's reducer first"])
     started = time.monotonic()
     opt = None
     try:

@@ -157,21 +157,3 @@ def test_auto_measures_the_planners_plan_first_when_the_model_predicts_it_ahead(
     # it moved on to the runtime settings afterwards, on the same engine (the plan's process groups kept)
     assert any(s["settings"] and s["settings"]["ordering"] != "planned" for s in stats["tuner"]["switches"][1:])
 
-
-def test_auto_measures_ddps_own_shape_among_its_starts(monkeypatch):
-    # fifo on the synchronous path with DDP's buckets (1 MiB as ddp:1, 25 MiB as DDP's default) as the
-    # fusion threshold: where communication is hidden already that is what wins (docs/tuning.md), so
-    # auto measures both before sampling
-    monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=8,
-                                                                check_every=100))
-    model = model_of()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
-                               config=commsched.SchedulerConfig(ordering="auto", timeout_s=30))
-    train(opt, model, 60)
-    stats = opt.stats()
-    opt.close()
-    measured = [h["settings"] for h in stats["tuner"]["history"]]
-    for bucket in (1 << 20, 25 << 20):  # ddp:1's bucket and DDP's default one
-        ddp_like = [s for s in measured if s["ordering"] == "fifo" and s["fusion_bytes"] == bucket]
-        assert ddp_like and not ddp_like[0]["cross_iteration"], (bucket, measured)
-        assert ddp_like[0]["partition_bytes"] == ddp_like[0]["credit_bytes"] == optimizer_module.UNLIMITED_BYTES

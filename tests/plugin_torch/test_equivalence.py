@@ -336,6 +336,8 @@ def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise
              {"ordering": "auto", "optimizer": "adam", "fast_tuner": True, "steps": 26, "auto_plan": True},
              {"ordering": "auto", "optimizer": "adam", "fast_tuner": True, "steps": 20, "auto_sync_first": True,
               "fusion": 4096},
+             {"ordering": "auto", "optimizer": "sgd_momentum", "fast_tuner": True, "steps": 18,
+              "auto_reducer_first": True},
              {"ordering": "planned", "optimizer": "adam", "steps": 9},
              {"ordering": "planned", "optimizer": "sgd_momentum", "steps": 8, "cross": 0}]
     results = ranks(2, *scenarios(*items), timeout=220)
@@ -369,6 +371,11 @@ def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise
                     synchronous.append(not path)
                 for r in (a, b):  # p.grad after backward: kept on that path only; after step(): None, as asked
                     assert r["grads_kept"] == synchronous, (r["grads_kept"], tuner_a["switches"])
+                    assert not any(r["grads_after_step"]), r["grads_after_step"]
+            if a["scenario"]["auto_reducer_first"]:  # torch's reducer (DDP's) for a sample, then commsched again
+                assert changed[0]["settings"]["ordering"] == "reducer", tuner_a["switches"]
+                assert any(s["settings"]["ordering"] != "reducer" for s in changed[1:]), tuner_a["switches"]
+                for r in (a, b):  # the user asked for cross-iteration: p.grad is None after every step()
                     assert not any(r["grads_after_step"]), r["grads_after_step"]
             if not a["scenario"]["cross"]:  # the user's synchronous path is never left
                 assert not any(paths), tuner_a["switches"]

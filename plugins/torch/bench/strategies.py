@@ -7,6 +7,8 @@ name               what runs
 ``ddp:<mb>``       DistributedDataParallel, ``bucket_cap_mb=<mb>``
 ``horovod``        ``hvd.DistributedOptimizer`` with Horovod's defaults
 ``fifo``           commsched, backward order, partition and credit off
+``reducer[:<mb>]`` commsched's optimizer, every gradient reduced by torch's own C++
+                   reducer (DDP's) in ``<mb>`` buckets (default 25): what ``auto`` may choose
 ``dynamic``        commsched, rank 0 decides the order as pieces get ready
 ``static``         commsched, order fixed from the first profiled step
 ``planned``        commsched running a plan rank 0 makes at start (profile of the
@@ -412,6 +414,11 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                                      run_spec["credit_bytes"], timeline, topology=topology, priority="slack", **mods)
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
                                  timeline, topology=topology, **mods)
+    if spec.kind == "reducer":  # torch's reducer under commsched's optimizer: DDP's engine, commsched's API
+        strategy = CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
+                                     cross_iteration=False, **mods)
+        strategy.optimizer._start_reducer(int((spec.bucket_mb or 25) * (1 << 20)))
+        return strategy
     if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
         return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
                                  cross_iteration=False, **mods)

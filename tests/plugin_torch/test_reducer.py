@@ -1,0 +1,158 @@
+"""torch's own reducer (DDP's C++ one) as the engine ``ordering="auto"`` may choose (reducer.py), on one rank:
+it reduces every gradient while commsched's scheduler submits none, it is among auto's starts where it can
+run and not where it cannot (with the reason), and a step that leaves a parameter without a gradient is an
+error naming the fix, never a local gradient applied. Two ranks, bitwise: tests/plugin_torch/test_equivalence.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+import commsched  # noqa: E402
+from commsched.errors import CommschedError  # noqa: E402
+from commsched.plugins.torch import DistributedOptimizer  # noqa: E402
+from commsched.plugins.torch import optimizer as optimizer_module  # noqa: E402
+from commsched.plugins.torch.reducer import DdpReducer, reducer_eligible  # noqa: E402
+from commsched.tuner import REDUCER, UNLIMITED_BYTES, Settings  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_rank_group")]
+
+
+class TwoHeads(nn.Module):
+    """``head="b"`` (not ``"both"``) leaves ``a``'s parameters without a gradient (DDP's
+    find_unused_parameters case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2), nn.Linear(16, 2)
+        self.head = "both"
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h) + self.b(h) if self.head == "both" else self.b(h)
+
+
+def train(opt, model, steps, start=0):
+    for step in range(start, start + steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    opt.synchronize()
+
+
+def sync_opt(model, **config):
+    return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, backend="torch",
+                                config=commsched.SchedulerConfig(ordering="fifo", cross_iteration=False, timeout_s=30,
+                                                                 **config))
+
+
+def test_the_reducer_reduces_every_gradient_while_commsched_submits_none_and_trains_as_the_reference():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    ref.load_state_dict(model.state_dict())
+    opt = sync_opt(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    train(opt, model, 3)
+    submitted = opt._tasks_submitted
+    opt._start_reducer(64)  # 64-byte buckets: several of them
+    train(opt, model, 5, start=3)
+    stats = opt.stats()
+    assert stats["engine"] == "torch-reducer" and stats["reducer"] == {"bucket_bytes": 64, "backwards": 5}
+    assert opt._tasks_submitted == submitted  # the scheduler got no task in those 5 steps
+    opt._close_reducer()
+    train(opt, model, 2, start=8)  # and commsched takes over again
+    assert opt._tasks_submitted > submitted and opt.stats()["engine"] == "commsched"
+    opt.close()
+    train_ref(ref, ref_opt, 10)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def train_ref(ref, ref_opt, steps):
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+
+
+def test_a_step_that_leaves_a_parameter_without_a_gradient_is_an_error_naming_the_fix():
+    model = TwoHeads()
+    opt = sync_opt(model)
+    train(opt, model, 2)
+    opt._start_reducer(1 << 20)
+    train(opt, model, 1, start=2)
+    model.head = "b"
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()
+    with pytest.raises(CommschedError, match="got no gradient.*ordering='dynamic'"):
+        opt.step()  # before the wrapped optimizer ran: no local gradient applied
+    opt._close_reducer()
+    opt.close()
+
+
+def test_the_reducer_is_refused_where_it_cannot_run_and_says_why():
+    model = TwoHeads()
+    model.head = "b"
+    opt = sync_opt(model)
+    train(opt, model, 2)  # a.weight and a.bias got no gradient
+    with pytest.raises(CommschedError, match="without a gradient"):
+        opt._start_reducer(1 << 20)
+    opt.close()
+    cross = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                                 config=commsched.SchedulerConfig(ordering="fifo", timeout_s=30))
+    with pytest.raises(CommschedError, match="synchronous path only"):
+        cross._start_reducer(1 << 20)
+    cross.close()
+    base = dict(backend="torch", op="average", predivide=1.0, passes=1, split=False, has_model=True,
+                every_param_every_step=True, params=[torch.zeros(2)])
+    assert reducer_eligible(**base) is None
+    for change, why in ((dict(backend="horovod"), "torch.distributed"), (dict(op="sum"), "average"),
+                        (dict(passes=2), "backward_passes_per_step"), (dict(split=True), "split_tied"),
+                        (dict(has_model=False), "no model"), (dict(every_param_every_step=False), "without")):
+        assert why in reducer_eligible(**dict(base, **change)), change
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        DdpReducer([torch.zeros(2, requires_grad=True)], None, 0)
+
+
+def measured_starts(model, steps=60):
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="auto", timeout_s=30))
+    train(opt, model, steps)
+    stats = opt.stats()
+    opt.close()
+    return [h["settings"] for h in stats["tuner"]["history"]], stats
+
+
+def test_auto_measures_torchs_reducer_among_its_starts_and_ddps_shape_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=8,
+                                                                check_every=100))
+    measured, stats = measured_starts(TwoHeads())
+    reducers = [s for s in measured if s["ordering"] == REDUCER]
+    assert {s["fusion_bytes"] for s in reducers} == set(optimizer_module.REDUCER_BUCKETS), measured
+    assert all(not s["cross_iteration"] for s in reducers)
+    switched = [s["settings"] for s in stats["tuner"]["switches"] if s["settings"]]
+    assert any(s["ordering"] == REDUCER for s in switched)  # every rank switched to it at an agreed step
+    model = TwoHeads()
+    model.head = "b"  # the recorded steps leave a parameter without a gradient: no reducer
+    measured, stats = measured_starts(model)
+    assert not [s for s in measured if s["ordering"] == REDUCER], measured
+    for bucket in (1 << 20, 25 << 20):  # DDP's shape inside commsched instead: ddp:1's bucket, DDP's default
+        ddp_like = [s for s in measured if s["ordering"] == "fifo" and s["fusion_bytes"] == bucket]
+        assert ddp_like and not ddp_like[0]["cross_iteration"], (bucket, measured)
+        assert ddp_like[0]["partition_bytes"] == ddp_like[0]["credit_bytes"] == UNLIMITED_BYTES
+    assert any("reducer is not among the starts" in n and "without a gradient" in n
+               for n in stats["tuner"]["model"]), stats["tuner"]["model"]
+
+
+def test_a_reducer_setting_describes_itself_and_round_trips():
+    s = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, 4 << 20, cross_iteration=False)
+    assert s.describe() == "torch's reducer (DDP's, buckets 4MiB) synchronous"
+    assert Settings.from_dict(s.to_dict()) == s
+    assert dataclasses.replace(s, fusion_bytes=1 << 20).describe().startswith("torch's reducer (DDP's, buckets 1MiB")
