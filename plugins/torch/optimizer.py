@@ -858,16 +858,23 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         commsched's scheduler idles. At a step boundary with nothing in flight, on the synchronous path
         (``_rebuild`` for ``auto``; the bench's ``reducer`` strategy right after construction)."""
         why_not = self._reducer_unavailable()
-        if why_not is not None or self._cross:
-            raise CommschedError(f"torch's reducer cannot reduce this optimizer's gradients: "
-                                 f"{why_not or 'it runs on the synchronous path only (cross_iteration=False)'}")
+        if why_not is None and self._cross:
+            why_not = "it runs on the synchronous path only (cross_iteration=False)"
+        if why_not is None and self._recording:
+            why_not = "the first step (which learns the order of first use) has not ended"
+        if why_not is not None:
+            raise CommschedError(f"torch's reducer cannot reduce this optimizer's gradients: {why_not}")
         self._reducer = DdpReducer([s.param for s in self._params], self._backend.group, bucket_bytes,
                                    [s.name for s in self._params])
+        self._remove_path_hooks()  # no hook per gradient or layer: the reducer's own run in C++
 
-    def _close_reducer(self) -> None:
+    def _close_reducer(self, resume: bool = True) -> None:
+        """Stop torch's reducer (at a step boundary); ``resume``: commsched's per-gradient path takes over."""
         reducer, self._reducer = getattr(self, "_reducer", None), None
         if reducer is not None:
             reducer.close()
+            if resume:
+                self._install_path_hooks()
 
     def _reducer_unavailable(self) -> Optional[str]:
         """Why torch's reducer may not stand in here (:func:`~commsched.plugins.torch.reducer.reducer_eligible`)."""
@@ -884,7 +891,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._close_reducer()
+        self._remove_path_hooks()
+        self._close_reducer(resume=False)
         self._close_splits()
         try:
             self._scheduler.close(5.0)
@@ -965,28 +973,43 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         return states
 
     def _install_hooks(self) -> None:
-        for state in self._params:
-            self._hooks.append(state.param.register_post_accumulate_grad_hook(self._make_grad_hook(state)))
-        self._recorder: StepRecorder | None = None  # with a model (below): profile()'s timings
+        self._recorder: StepRecorder | None = None  # with a model: profile()'s timings
+        self._path_hooks: list[Any] = []
+        self._install_path_hooks()
         if self.model is None:  # no forward hooks: the synchronous path waits in step()
             return
-        owned: set[int] = set()
         for module in self.model.modules():
             mine = [self._by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in self._by_param]
             if mine:
-                owned.update(id(s.param) for s in mine)
-                self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(mine)))
                 # A checkpoint holds every ended step's update: model.state_dict() (torch.save on rank 0)
                 # and load_state_dict() (every rank) apply them first, as DDP's parameters would be.
                 checkpoint = self._make_checkpoint_hook(mine)
                 self._hooks.append(module.register_state_dict_pre_hook(checkpoint))
                 self._hooks.append(module.register_load_state_dict_pre_hook(checkpoint))
-        # The root waits for parameters whose module never runs its own forward.
+        # The root waits for parameters whose module never runs its own forward, and arms torch's reducer.
         self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+
+    def _install_path_hooks(self) -> None:
+        """The per-gradient path's hooks: one per gradient (submit), one per layer's forward (wait and
+        apply), the recorder's timings. Removed while torch's reducer runs (it needs none of them and
+        their Python calls are what it saves), installed again when it stops."""
+        for state in self._params:
+            self._path_hooks.append(state.param.register_post_accumulate_grad_hook(self._make_grad_hook(state)))
+        if self.model is None:
+            return
+        for module in self.model.modules():
+            mine = [self._by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in self._by_param]
+            if mine:
+                self._path_hooks.append(module.register_forward_pre_hook(self._make_pre_hook(mine)))
         # profile(): per-layer timings of the last few steps (a bounded ring); close() removes its hooks.
         self._recorder = StepRecorder(self.model, [(s.name, s.param) for s in self._params],
                                       waited=lambda: self._bubble, optimizer=self.optimizer)
-        self._hooks.extend(self._recorder.handles)
+        self._path_hooks.extend(self._recorder.handles)
+
+    def _remove_path_hooks(self) -> None:
+        for handle in getattr(self, "_path_hooks", ()):
+            handle.remove()
+        self._path_hooks = []
 
     def _broadcast_from_rank0(self) -> None:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers()) if self.model is not None \
@@ -1200,6 +1223,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
     def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._reducer is not None and self._sync_enabled and torch.is_grad_enabled():
             self._reducer.before_forward()  # as DDP's forward: arm its hooks for this forward's backward
+            self._backward_seen = True  # (no gradient hook of ours runs under the reducer to say so)
         if self._orphans:
             self._ready(self._orphans, "forward")
 
@@ -1706,7 +1730,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
-            self._close_reducer()
+            self._remove_path_hooks()
+            self._close_reducer(resume=False)
             self._close_splits()
             if self._tuner is not None:
                 self._tuner.close()  # its progress bar, on rank 0's terminal

@@ -65,9 +65,12 @@ def test_the_reducer_reduces_every_gradient_while_commsched_submits_none_and_tra
     stats = opt.stats()
     assert stats["engine"] == "torch-reducer" and stats["reducer"] == {"bucket_bytes": 64, "backwards": 5}
     assert opt._tasks_submitted == submitted  # the scheduler got no task in those 5 steps
+    assert opt._path_hooks == []  # no Python hook per gradient or per layer meanwhile
     opt._close_reducer()
+    assert opt._path_hooks  # installed again
     train(opt, model, 2, start=8)  # and commsched takes over again
     assert opt._tasks_submitted > submitted and opt.stats()["engine"] == "commsched"
+    assert len(opt.profile().layers) == 2  # the recorder times the layers again
     opt.close()
     train_ref(ref, ref_opt, 10)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
@@ -105,6 +108,10 @@ def test_the_reducer_is_refused_where_it_cannot_run_and_says_why():
     with pytest.raises(CommschedError, match="without a gradient"):
         opt._start_reducer(1 << 20)
     opt.close()
+    fresh = sync_opt(nn.Linear(8, 2))
+    with pytest.raises(CommschedError, match="first step"):  # it has not learned the order of first use yet
+        fresh._start_reducer(1 << 20)
+    fresh.close()
     cross = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
                                  config=commsched.SchedulerConfig(ordering="fifo", timeout_s=30))
     with pytest.raises(CommschedError, match="synchronous path only"):

@@ -167,7 +167,8 @@ class CommschedStrategy(Strategy):
                  partition_bytes: int, credit_bytes: int, timeline: str | None, *,
                  plan: str | None = None, hierarchical: tuple[int, int] | None = None,
                  topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
-                 split_tied: bool = False, fusion_bytes: int | None = None, decide_ahead: bool = True) -> None:
+                 split_tied: bool = False, fusion_bytes: int | None = None, decide_ahead: bool = True,
+                 reducer_bytes: int | None = None) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -191,6 +192,7 @@ class CommschedStrategy(Strategy):
         super().__init__(model, opt)
         self._first_measured_step = 0
         self._steps = 0
+        self._reducer_bytes = reducer_bytes  # ``reducer``: torch's reducer from the second step on (a warm-up one)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -198,6 +200,8 @@ class CommschedStrategy(Strategy):
     def step(self) -> None:
         self.optimizer.step()
         self._steps += 1
+        if self._steps == 1 and self._reducer_bytes:  # the first step learned the order of first use
+            self.optimizer._start_reducer(self._reducer_bytes)
 
     def synchronize(self) -> None:
         self.optimizer.synchronize()
@@ -415,10 +419,9 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return CommschedStrategy(model, make_opt, "auto", run_spec["partition_bytes"], run_spec["credit_bytes"],
                                  timeline, topology=topology, **mods)
     if spec.kind == "reducer":  # torch's reducer under commsched's optimizer: DDP's engine, commsched's API
-        strategy = CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
-                                     cross_iteration=False, **mods)
-        strategy.optimizer._start_reducer(int((spec.bucket_mb or 25) * (1 << 20)))
-        return strategy
+        return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
+                                 cross_iteration=False, reducer_bytes=int((spec.bucket_mb or 25) * (1 << 20)),
+                                 **mods)
     if spec.kind == "sync":  # fifo on the synchronous path: one piece per fused group, step() waits
         return CommschedStrategy(model, make_opt, "fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, timeline,
                                  cross_iteration=False, **mods)
