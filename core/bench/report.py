@@ -103,7 +103,7 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
               "cpu_busy", "cpu_steal", "plan", "tuner")
 #: Keys of ``results[].rounds[].tuner`` (``auto``: what that round's tuner kept; ``null`` otherwise).
-ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict")
+ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
 ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s",
                    "profile_drift")
@@ -470,14 +470,18 @@ def round_plan(stats: Any) -> dict[str, Any] | None:
 
 def round_tuner(stats: Any) -> dict[str, Any] | None:
     """What an ``auto`` round's tuner kept (:data:`ROUND_TUNER_KEYS`): the setting, its score (after
-    the final race: the race's fresh median), the samples and the last verdict; None for other
-    strategies. Only the representative round keeps its whole history in ``stats``."""
+    the final race: the race's fresh median), the samples, the last verdict, and every sample of the
+    round as ``[setting, median_s, spread_s, verdict]`` (why a round kept what it kept: only the
+    representative round keeps its whole ``stats``); None for other strategies."""
     tuner = stats.get("tuner") if isinstance(stats, dict) else None
     if not isinstance(tuner, dict) or not tuner.get("incumbent"):
         return None
     history = tuner.get("history") or []
+    samples = [[Settings.from_dict(h["settings"]).describe() if h.get("settings") else None, h.get("median_s"),
+                h.get("spread_s"), h.get("verdict")] for h in history]
     return {"kept": Settings.from_dict(tuner["incumbent"]).describe(), "score_s": tuner.get("incumbent_median_s"),
-            "samples": tuner.get("samples"), "verdict": history[-1].get("verdict") if history else None}
+            "samples": tuner.get("samples"), "verdict": history[-1].get("verdict") if history else None,
+            "history": samples}
 
 
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:

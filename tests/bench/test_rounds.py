@@ -120,7 +120,9 @@ def test_each_planned_round_keeps_the_plan_it_ran():
 def _auto(steps, rnd, kept, score, verdict):
     phase = _phase("auto", steps, rnd)
     phase.ranks[0]["stats"] = {"tuner": {"incumbent": kept.to_dict(), "incumbent_median_s": score, "samples": 20,
-                                         "history": [{"verdict": "race"}, {"verdict": verdict}]}}
+                                         "history": [{"verdict": "race"},
+                                                     {"settings": kept.to_dict(), "median_s": score,
+                                                      "spread_s": 0.01, "verdict": verdict}]}}
     return phase
 
 
@@ -139,6 +141,9 @@ def test_each_auto_round_keeps_what_its_tuner_kept_and_scored():
     assert [list(x["tuner"]) for x in a["rounds"]] == [list(ROUND_TUNER_KEYS)] * 3
     assert [x["tuner"]["kept"] for x in a["rounds"]] == [fifo.describe(), dyn.describe(), fifo.describe()]
     assert report["results"][0]["rounds"][0]["tuner"] is None
+    # every sample of each round, so a round that kept a slow setting shows why
+    assert a["rounds"][1]["tuner"]["history"] == [[None, None, None, "race"],
+                                                  [dyn.describe(), 0.95, 0.01, "race: kept"]]
     assert ("- auto round 2: dynamic partition=1MiB credit=4MiB fusion=256KiB, scored 0.950 s, measured 1.100 s; "
             "20 samples, last verdict race: kept") in markdown(report)
 
