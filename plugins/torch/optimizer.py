@@ -553,7 +553,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         # CUDA: (step, streams, event where the compute stream needed a gradient, its done event)
         self._gpu_waits: list[tuple] = []
         # auto's tuner may hand the gradients to torch's own C++ reducer (DDP's; reducer.py): while it runs,
-        # the hooks submit nothing. Whether every parameter got a gradient in every step so far (its contract).
+        # the per-gradient path's hooks are removed. Whether every parameter got a gradient in every step so
+        # far (its contract).
         self._reducer: Optional[DdpReducer] = None
         self._hooked = 0  # gradient hooks of this step
         self._every_grad = True
@@ -1028,8 +1029,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             if not self._sync_enabled:
                 return
             self._hooked += 1
-            if self._reducer is not None:  # torch's reducer has this gradient (its own C++ hook)
-                return
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
                 return

@@ -74,7 +74,7 @@ class DdpReducer:
         self.bucket_bytes = bucket_bytes
         # As DDP without find_unused_parameters: one bucket for the first backward, rebuilt from its order.
         indices, limits = dist._compute_bucket_assignment_by_size(params, [sys.maxsize], [False] * len(params))
-        mapping = {i: n for i, n in enumerate(names)} if names is not None else {}
+        mapping = dict(enumerate(names)) if names is not None else {}
         self._reducer: Any = dist.Reducer(params, list(reversed(indices)), list(reversed(limits)), group,
                                           [False] * len(params), bucket_bytes, False, False, mapping,
                                           bucket_bytes)
