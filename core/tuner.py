@@ -44,18 +44,22 @@ samples in all) and scored on its pooled periods. Without it one bimodal first s
 
 The search stops when the *predicted gain* is below ``min_gain`` (2 %): the best improvement over
 the incumbent among the last ``patience`` samples, an empirical estimate of what another sample
-brings, is smaller than that; or after ``max_samples - 2 * race_samples`` samples. Then, with
+brings, is smaller than that; or after ``max_samples - race_width * race_samples`` samples. Then, with
 ``race_samples`` > 0, a *final race*: the incumbent's score is the smallest of many noisy scores,
-so it is biased low and may belong to a setting that only had a lucky sample. The runner-up (the
-other setting of the round with the lowest median over all its periods), if within
-``race_margin`` (5 %) of the incumbent's score, and the incumbent are each measured
-``race_samples`` times afresh, alternated (runner-up, incumbent, incumbent, runner-up: a steady
-drift of the machine favours neither), and the one with the lower median over its race periods
-is kept (a tie keeps the incumbent); without such a runner-up the incumbent alone is measured
-afresh. With ``race_extend`` (the plugin's default), a race whose two medians differ by no more
-than their noise (the larger :func:`spread` of the two settings' race periods) runs the same block
-again, as long as the samples the search left unused allow, and is decided on all its periods.
-So at most ``max_samples`` (20) samples in all. Over 300 seeded runs of 9 settings within
+so it is biased low and may belong to a setting that only had a lucky sample. The runners-up (the
+other settings of the round with the lowest medians over all their periods, up to
+``race_width - 1`` of them: 1 by default, 2 in the plugin), each within ``race_margin`` (5 %) of
+the incumbent's score, and the incumbent are each measured ``race_samples`` times afresh, in
+rounds whose order reverses (runner-up, incumbent, incumbent, runner-up; three wide: A, B,
+incumbent, incumbent, B, A: a steady drift of the machine favours none), and the one with the
+lowest median over its race periods is kept (a tie keeps the incumbent); without such a runner-up
+the incumbent alone is measured afresh. A third setting in the race gives a start judged on one
+search sample taken in a slow moment a second look (compute-heavy, 2026-12-06: torch's reducer
+scored once 6 % behind and was never measured again; docs/tuning.md). With ``race_extend`` (the
+plugin's default), a race whose two lowest medians differ by no more than their noise (the larger
+:func:`spread` of the two settings' race periods) runs another block of those two only, in the
+race's order, as long as the samples the search left unused allow, and is decided on all their
+periods. So at most ``max_samples`` (20) samples in all. Over 300 seeded runs of 9 settings within
 12 % of each other under a wandering machine speed (``scripts/tuner_study.py``), 2 race samples
 each cut the kept setting's mean excess over the best from 2.25 % to 1.63 % and the kept score's
 bias from -1.96 % to -0.55 %, for 3.6 more samples; extending unresolved races cut the excess
@@ -431,16 +435,20 @@ class Tuner:
                  extra_starts: tuple[Settings, ...] = (), sample_steps: int = 4, settle: int = 1,
                  max_samples: int = 20, min_gain: float = 0.02, patience: int = 4, drift: float = 0.05,
                  check_every: int = 50, seed: int = 0, remeasure_samples: int = 3, race_samples: int = 0,
-                 race_margin: float = 0.05, race_extend: bool = False) -> None:
+                 race_margin: float = 0.05, race_extend: bool = False, race_width: int = 2) -> None:
         if (sample_steps < 2 or settle < 0 or max_samples < 1 or patience < 1 or check_every < sample_steps
                 or remeasure_samples < 1):
             raise ValueError("Tuner: sample_steps >= 2, settle >= 0, max_samples >= 1, patience >= 1, "
                              "check_every >= sample_steps and remeasure_samples >= 1 are required (1: an "
                              "incumbent is never measured again to settle an inconclusive comparison)")
-        if race_samples < 0 or max_samples <= 2 * race_samples or not race_margin >= 0:
+        if race_width < 2:
+            raise ValueError(f"Tuner: race_width={race_width}: the final race is between the incumbent and at "
+                             "least one runner-up, so race_width >= 2 is required (race_samples=0 turns it off)")
+        if race_samples < 0 or max_samples <= race_width * race_samples or not race_margin >= 0:
             raise ValueError(f"Tuner: race_samples={race_samples} and max_samples={max_samples}: the final race "
-                             "takes up to 2 x race_samples of the max_samples, so 0 <= race_samples < max_samples / 2 "
-                             f"is required (0 turns the race off), and race_margin={race_margin} must be >= 0")
+                             f"takes up to race_width ({race_width}) x race_samples of the max_samples, so 0 <= "
+                             f"race_samples < max_samples / {race_width} is required (0 turns the race off), and "
+                             f"race_margin={race_margin} must be >= 0")
         self.space = space or SearchSpace()
         starts: list[Settings] = []
         for s in (start, *extra_starts):
@@ -461,8 +469,10 @@ class Tuner:
         #: a race whose two medians are within their noise runs another block of the same samples, while
         #: the round's ``max_samples`` allow (module docstring)
         self.race_extend = bool(race_extend)
+        #: the settings in the final race: the incumbent and up to ``race_width - 1`` runners-up within the margin
+        self.race_width = race_width
         #: the samples the search may take; the race has the rest of ``max_samples``
-        self.search_samples = max_samples - 2 * race_samples
+        self.search_samples = max_samples - race_width * race_samples
         self.phase = "tuning"
         self.incumbent: Optional[Settings] = None
         self.incumbent_score = float("inf")
@@ -614,30 +624,34 @@ class Tuner:
         self.incumbent_score, self.incumbent_spread = statistics.median(periods), spread(periods)
 
     def _start_race(self, step: int, why: str) -> Decision:
-        """The search stopped (``why``): race the incumbent against the runner-up, the other setting of
-        this round with the lowest median over all its periods, if that is within ``race_margin`` of the
-        incumbent's score; each ``race_samples`` fresh samples, alternated (runner-up, incumbent, incumbent,
-        runner-up, ...: a steady drift of the machine favours neither). Without a runner-up that close,
-        the incumbent alone is measured afresh: the score the drift checks compare with."""
+        """The search stopped (``why``): race the incumbent against the runners-up, the other settings of
+        this round with the lowest medians over all their periods, up to ``race_width - 1`` of them, each
+        within ``race_margin`` of the incumbent's score; each ``race_samples`` fresh samples, in rounds
+        whose order reverses from one to the next (runners-up, incumbent, incumbent, runners-up reversed,
+        ...: a steady drift of the machine favours none). Without a runner-up that close, the incumbent
+        alone is measured afresh: the score the drift checks compare with."""
         inc = self.incumbent
         others = {s: statistics.median(p) for s, p in self._by_setting.items() if s != inc and p}
-        runner = min(others, key=others.get, default=None)
-        if runner is not None and others[runner] > self.incumbent_score * (1 + self.race_margin):
-            runner = None
-        if runner is None:
+        limit = self.incumbent_score * (1 + self.race_margin)
+        runners = [s for s in sorted(others, key=others.get) if others[s] <= limit][: self.race_width - 1]
+        if not runners:
             queue = [inc] * self.race_samples
             what = (f"{why}; no other setting within {self.race_margin:.0%} of {inc.describe()} "
                     f"({self.incumbent_score * 1e3:.2f} ms): measuring it afresh")
         else:
-            queue = [x for i in range(self.race_samples) for x in ((runner, inc) if i % 2 == 0 else (inc, runner))]
-            what = (f"{why}; race: {inc.describe()} ({self.incumbent_score * 1e3:.2f} ms) against the runner-up "
-                    f"{runner.describe()} ({others[runner] * 1e3:.2f} ms), {self.race_samples} fresh samples each")
-        self._race = _Race(queue[1:], why, block=queue if runner is not None else [])
+            base = [*runners, inc]
+            queue = [x for i in range(self.race_samples) for x in (base if i % 2 == 0 else base[::-1])]
+            against = ", ".join(f"{s.describe()} ({others[s] * 1e3:.2f} ms)" for s in runners)
+            what = (f"{why}; race: {inc.describe()} ({self.incumbent_score * 1e3:.2f} ms) against the runner"
+                    f"{'-up' if len(runners) == 1 else 's-up'} {against}, {self.race_samples} fresh samples each")
+        self._race = _Race(queue[1:], why, block=queue if runners else [])
         return self._next_sample(step, what, race=queue[0])
 
     def _race_sample(self, step: int, cur: _Sample, record: dict[str, Any]) -> Decision:
-        """A race sample ended: run the next one, or keep the setting with the lower median over its race
-        periods (fresh: not the smallest of many noisy scores; a tie keeps the incumbent) and settle."""
+        """A race sample ended: run the next one, or keep the setting with the lowest median over its race
+        periods (fresh: not the smallest of many noisy scores; a tie keeps the incumbent) and settle. With
+        ``race_extend``, while the two lowest medians differ by no more than their noise and the round's
+        samples allow, those two run another block (the race's own order, the others left out)."""
         race = self._race
         race.periods.setdefault(cur.settings, []).extend(cur.periods)
         record["verdict"] = "race"
@@ -646,17 +660,20 @@ class Tuner:
             nxt = race.queue.pop(0)
             return self._next_sample(step, f"race: {cur.settings.describe()} median {record['median_s'] * 1e3:.2f} "
                                            "ms", race=nxt)
-        medians = {s: statistics.median(p) for s, p in race.periods.items()}
-        if self.race_extend and race.block and self.samples + len(race.block) <= self.max_samples:
-            (a, ma), (b, mb) = medians.items()
+        # the settings still in the race: an extension's block leaves out all but the two fastest
+        medians = {s: statistics.median(p) for s, p in race.periods.items() if s in race.block or not race.block}
+        if self.race_extend and race.block:
+            a, b = sorted(medians, key=lambda s: (medians[s], s != self.incumbent))[:2]
+            block = [s for s in race.block if s in (a, b)]
             noise = max(spread(race.periods[a]), spread(race.periods[b]))
-            if abs(ma - mb) <= noise:  # unresolved: the samples the search left unused decide it
+            if abs(medians[a] - medians[b]) <= noise and self.samples + len(block) <= self.max_samples:
+                # unresolved: the samples the search left unused decide it
                 race.extensions += 1
-                race.queue = list(race.block[1:])
-                return self._next_sample(step, f"race: medians {a.describe()} {ma * 1e3:.2f} ms and {b.describe()} "
-                                               f"{mb * 1e3:.2f} ms differ by less than their noise "
-                                               f"({noise * 1e3:.2f} ms): {self.race_samples} more samples each",
-                                         race=race.block[0])
+                race.block, race.queue = block, list(block[1:])
+                return self._next_sample(step, f"race: medians {a.describe()} {medians[a] * 1e3:.2f} ms and "
+                                               f"{b.describe()} {medians[b] * 1e3:.2f} ms differ by less than their "
+                                               f"noise ({noise * 1e3:.2f} ms): {self.race_samples} more samples each",
+                                         race=block[0])
         self._race = None
         old, searched = self.incumbent, self.incumbent_score
         kept = min(medians, key=lambda s: (medians[s], s != old))

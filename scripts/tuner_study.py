@@ -30,11 +30,24 @@ SETTINGS = [Settings("dynamic", p, c, 256 << 10) for p in (MIB, 4 * MIB) for c i
            [Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, f) for f in (0, 64 << 10, 256 << 10, MIB, 4 * MIB)]
 
 
+#: ``--lead``: the starts of ``auto`` (the config's own, plain fifo, and two where one is best by the lead, as
+#: torch's reducer with 1 MiB buckets where communication is hidden), the others proposed by the sampler
+LEAD_STARTS = (SETTINGS[0], SETTINGS[4], SETTINGS[-2], SETTINGS[-1])
+
+
 def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise: float, after: int,
-            slow_share: float = 0.0, slow_by: float = 0.0, race_extend: bool = False) -> dict:
+            slow_share: float = 0.0, slow_by: float = 0.0, race_extend: bool = False, race_width: int = 2,
+            race_margin: float = 0.05, lead: float | None = None) -> dict:
     rng = random.Random(seed)
-    true = {s: 0.25 * (1 + rng.uniform(0, 0.12)) for s in SETTINGS}
-    order = itertools.cycle(rng.sample(SETTINGS, len(SETTINGS)))
+    if lead is None:
+        true = {s: 0.25 * (1 + rng.uniform(0, 0.12)) for s in SETTINGS}
+        starts = (SETTINGS[0], SETTINGS[-1])
+    else:  # one start best by ``lead``, every other setting up to 12 % slower than it
+        true = {s: 0.25 * (1 + rng.uniform(lead, 0.12)) for s in SETTINGS}
+        true[LEAD_STARTS[2]] = 0.25
+        starts = LEAD_STARTS
+    proposed = SETTINGS if lead is None else [s for s in SETTINGS if s not in starts]
+    order = itertools.cycle(rng.sample(proposed, len(proposed)))
 
     class Cycle:
         def ask(self) -> Settings:
@@ -46,7 +59,9 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
     race = {"race_samples": race_samples} if race_samples else {}  # (also runs on a tuner without the race)
     if race_extend:
         race["race_extend"] = True
-    tuner = Tuner(SETTINGS[0], extra_starts=(SETTINGS[-1],), sampler=Cycle(), **race)
+    if race_width != 2 or race_margin != 0.05:
+        race.update(race_width=race_width, race_margin=race_margin)
+    tuner = Tuner(starts[0], extra_starts=starts[1:], sampler=Cycle(), **race)
     running, m, next_decision, pending, first = SETTINGS[0], 0.0, 2, None, True
     settled = None
     step = 0
@@ -68,10 +83,13 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
     return settled
 
 
-def study(runs: int, race_samples: int, race_extend: bool = False, **noise) -> dict:
-    out = [one_run(seed, race_samples, race_extend=race_extend, **noise) for seed in range(runs)]
+def study(runs: int, race_samples: int, race_extend: bool = False, race_width: int = 2, race_margin: float = 0.05,
+          **noise) -> dict:
+    out = [one_run(seed, race_samples, race_extend=race_extend, race_width=race_width, race_margin=race_margin,
+                   **noise) for seed in range(runs)]
     excess = sorted(r["excess"] for r in out)
-    return {"race_samples": race_samples, "race_extend": race_extend, "runs": runs,
+    return {"race_samples": race_samples, "race_extend": race_extend, "race_width": race_width,
+            "race_margin": race_margin, "runs": runs, "missed_share": sum(r["excess"] > 0 for r in out) / runs,
             "excess_mean": statistics.mean(excess),
             "excess_p90": excess[int(0.9 * runs)], "score_bias_mean": statistics.mean(r["bias"] for r in out),
             "samples_mean": statistics.mean(r["samples"] for r in out), "samples_max": max(r["samples"] for r in out),
@@ -90,18 +108,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow", default="0,0", help="SHARE,BY: that share of steps runs BY slower (bimodal steps), "
                                                  "e.g. 0.3,0.15")
     p.add_argument("--extend", action="store_true", help="also each race with race_extend=True")
+    p.add_argument("--width", default="2", help="race_width values to compare (each with every race_samples > 0)")
+    p.add_argument("--margin", type=float, default=0.05, help="race_margin")
+    p.add_argument("--lead", type=float, default=None,
+                   help="auto's case: 4 starts, one best by this share, every other setting up to 12 %% slower")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     share, by = (float(x) for x in a.slow.split(","))
-    noise = dict(rho=a.rho, machine=a.machine, step_noise=a.step, after=a.after, slow_share=share, slow_by=by)
-    rows = [study(a.runs, int(r), extend, **noise) for r in a.race.split(",")
-            for extend in ((False, True) if a.extend and int(r) else (False,))]
+    noise = dict(rho=a.rho, machine=a.machine, step_noise=a.step, after=a.after, slow_share=share, slow_by=by,
+                 lead=a.lead)
+    rows = [study(a.runs, int(r), extend, race_width=int(w), race_margin=a.margin, **noise) for r in a.race.split(",")
+            for extend in ((False, True) if a.extend and int(r) else (False,))
+            for w in (a.width.split(",") if int(r) else ("2",))]
     print(f"noise: machine {a.machine:.1%} (AR {a.rho}), per step {a.step:.1%}, {share:.0%} of steps {by:.0%} "
           f"slower; {a.runs} runs each")
-    print("race  excess mean  excess p90  score bias  samples  settled at  re-tuned")
+    print(f"race_margin {a.margin:.0%}" + (f"; 4 starts, one {a.lead:.0%} ahead of every other setting"
+                                            if a.lead is not None else ""))
+    print("race width  excess mean  excess p90  missed  score bias  samples  settled at  re-tuned")
     for r in rows:
-        print(f"{r['race_samples']:>3}{'+' if r['race_extend'] else ' '}  {r['excess_mean']:>10.2%}  "
-              f"{r['excess_p90']:>10.2%}  "
+        print(f"{r['race_samples']:>3}{'+' if r['race_extend'] else ' '}  {r['race_width']:>4}  "
+              f"{r['excess_mean']:>10.2%}  {r['excess_p90']:>10.2%}  {r['missed_share']:>6.0%}  "
               f"{r['score_bias_mean']:>+10.2%}  {r['samples_mean']:>7.1f}  {r['settled_at_step_mean']:>10.0f}  "
               f"{r['retuned_share']:>8.0%}")
     if a.json:

@@ -258,10 +258,11 @@ PLAN_TIME_LIMIT_S = 10.0
 #: The link bandwidth of the default topology (a flat ring of ``world_size`` nodes) that ``"auto"`` and
 #: in-process ``"planned"`` model when no ``topology=`` is given; pass the one ``commsched probe`` measures.
 DEFAULT_BANDWIDTH = "10gbit"
-#: The tuner's settings (docs/tuning.md): 1 settle + 4 scored steps per sample, at most 20 samples, the
-#: last 4 of them at most a final race of 2 fresh samples of the incumbent and 2 of the runner-up.
+#: The tuner's settings (docs/tuning.md): 1 settle + 4 scored steps per sample, at most 20 samples, ending
+#: in a final race of 2 fresh samples each of the incumbent and up to 2 runners-up within 8 % of its score.
 TUNER_OPTIONS: dict[str, Any] = dict(sample_steps=4, settle=1, max_samples=20, min_gain=0.02, drift=0.05,
-                                     check_every=50, race_samples=2, race_extend=True)
+                                     check_every=50, race_samples=2, race_extend=True, race_width=3,
+                                     race_margin=0.08)
 #: ``"auto"`` measures the planner's plan first where the model predicts it this much ahead of the
 #: advised runtime setting, else not at all; None: the planner's own margin (``PlanSearch.min_gain``,
 #: the model's measured error).
