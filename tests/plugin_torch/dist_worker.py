@@ -207,7 +207,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                                        fusion_bytes=sc["fusion"], priority=sc["priority"],
                                        slack_alpha=sc["slack_alpha"])
     if sc["fast_tuner"]:  # ordering="auto" in few steps: 1 settle + 2 scored steps per sample, 6 samples,
-        # the last 2 at most a race of one fresh sample each of the incumbent and the runner-up
+        # the last 3 at most a race of one fresh sample each of the incumbent and up to two runners-up (the
+        # plugin's race_width and race_margin)
         from commsched.plugins.torch import optimizer as optimizer_module
         optimizer_module.TUNER_OPTIONS.update(sample_steps=2, settle=1, max_samples=6, check_every=4, race_samples=1)
         # auto_plan: the planner's plan is a start whatever its predicted gain (measured first)

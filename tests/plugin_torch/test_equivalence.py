@@ -353,9 +353,10 @@ def test_auto_and_planned_without_a_plan_switch_at_agreed_steps_and_stay_bitwise
             assert [s["plan"] for s in tuner_a["switches"]] == [True] and tuner_a["switches"][0]["decided_at"] == 3
         else:
             changed = [s for s in tuner_a["switches"] if s["settings"] is not None]
-            if a["scenario"]["steps"] >= 30:  # its search ends within the steps (at most 4 samples of 3 steps
-                # after 4 recorded): the final race's switches are agreed and bitwise too
-                assert tuner_a["history"][-1]["verdict"].startswith("race: "), tuner_a["history"]
+            if a["scenario"]["steps"] >= 30:  # its search ends within the steps (at most 3 samples of 3 steps
+                # after 4 recorded, then a race of up to 3 and 2 more): the final race's switches are agreed and
+                # bitwise too (a drift check after it may start another round on these few noisy steps)
+                assert any(h["verdict"].startswith("race: ") for h in tuner_a["history"]), tuner_a["history"]
             assert len(changed) >= 2, tuner_a["switches"]  # the tuner did move between settings
             assert len(tuner_a["history"]) >= 3
             if a["scenario"]["auto_plan"]:  # the planner's plan measured first, then the tuner moved on from it
