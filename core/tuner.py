@@ -48,8 +48,8 @@ brings, is smaller than that; or after ``max_samples - race_width * race_samples
 ``race_samples`` > 0, a *final race*: the incumbent's score is the smallest of many noisy scores,
 so it is biased low and may belong to a setting that only had a lucky sample. The runners-up (the
 other settings of the round with the lowest medians over all their periods, up to
-``race_width - 1`` of them: 1 by default, 2 in the plugin), each within ``race_margin`` (5 %) of
-the incumbent's score, and the incumbent are each measured ``race_samples`` times afresh, in
+``race_width - 1`` of them: 1 by default, 2 in the plugin), each within ``race_margin`` (5 %; 8 % in
+the plugin) of the incumbent's score, and the incumbent are each measured ``race_samples`` times afresh, in
 rounds whose order reverses (runner-up, incumbent, incumbent, runner-up; three wide: A, B,
 incumbent, incumbent, B, A: a steady drift of the machine favours none), and the one with the
 lowest median over its race periods is kept (a tie keeps the incumbent); without such a runner-up

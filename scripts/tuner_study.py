@@ -59,7 +59,7 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
     race = {"race_samples": race_samples} if race_samples else {}  # (also runs on a tuner without the race)
     if race_extend:
         race["race_extend"] = True
-    if race_width != 2 or race_margin != 0.05:
+    if race_width != 2 or race_margin != 0.05:  # only when asked: the old rules' Tuner has neither parameter
         race.update(race_width=race_width, race_margin=race_margin)
     tuner = Tuner(starts[0], extra_starts=starts[1:], sampler=Cycle(), **race)
     running, m, next_decision, pending, first = SETTINGS[0], 0.0, 2, None, True
