@@ -101,7 +101,7 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
                "exposed_comm_s", "overlap_method", "breakdown", "cpu_steal", "rounds")
 #: Keys of every ``results[].rounds[]`` entry (``--rounds`` > 1; ``rounds`` is ``null`` otherwise).
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
-              "cpu_busy", "cpu_steal", "plan", "tuner")
+              "cpu_busy", "cpu_steal", "plan", "tuner", "step_times_s")
 #: Keys of ``results[].rounds[].tuner`` (``auto``: what that round's tuner kept; ``null`` otherwise).
 ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
@@ -427,8 +427,9 @@ def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]
     """
     rounds = [{**dict.fromkeys(ROUND_KEYS), "round": r + 1, "position": pos + 1, "status": e["status"],
                "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
-               "cpu_steal": e["cpu_steal"], "plan": round_plan(e.get("stats")), "tuner": round_tuner(e.get("stats"))}
-              for r, pos, e, _ in runs]
+               "cpu_steal": e["cpu_steal"], "plan": round_plan(e.get("stats")), "tuner": round_tuner(e.get("stats")),
+               "step_times_s": [round(t, 6) for t in steps or []]}
+              for r, pos, e, steps in runs]
     ok = [(e, steps) for _, _, e, steps in runs if e["status"] == "ok"]
     if not ok:
         return {**runs[0][2], "rounds": rounds}

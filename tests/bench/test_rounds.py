@@ -79,6 +79,8 @@ def test_the_median_of_rounds_and_a_speedup_paired_within_each_round():
     for x in f["rounds"]:
         assert list(x) == list(ROUND_KEYS)
     assert [(x["round"], x["position"]) for x in f["rounds"]] == [(1, 2), (2, 1), (3, 1)]
+    # each round keeps rank 0's measured steps in order (a slow first step after a switch shows as itself)
+    assert [x["step_times_s"] for x in f["rounds"]] == [[0.8] * 4, [1.2] * 4, [0.82] * 4]
     # quantiles pool every round's steps; the throughput and efficiency follow the median of rounds
     assert f["measured_steps"] == 12
     assert (f["step_time_p25_s"], f["step_time_p75_s"]) == pytest.approx((0.8, 1.2))
