@@ -21,7 +21,6 @@ parameter without a gradient.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 import torch
@@ -61,9 +60,9 @@ class DdpReducer:
 
     :meth:`before_forward` (the model's root forward pre-hook, grad enabled and synchronizing) arms it for
     the backward to come, as DDP's forward does; :meth:`check_finished` (``step()``) raises if a backward
-    left a bucket unreduced; :meth:`close` removes its autograd hooks. The first backward runs as one
-    bucket; the next forward rebuilds the buckets in the order that backward made the gradients (one
-    broadcast of rank 0's assignment, as DDP does), so every rank has the same buckets."""
+    left a bucket unreduced; :meth:`close` removes its autograd hooks. The first backward runs in buckets of
+    the parameters in reverse registration order; the next forward rebuilds them in the order that backward
+    made the gradients (one broadcast of rank 0's assignment, as DDP does), so every rank has the same buckets."""
 
     def __init__(self, params: list[torch.Tensor], group: "dist.ProcessGroup", bucket_bytes: int,
                  names: Optional[list[str]] = None) -> None:
@@ -72,8 +71,14 @@ class DdpReducer:
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive number of bytes (DDP: 25 MiB)")
         self.bucket_bytes = bucket_bytes
-        # As DDP without find_unused_parameters: one bucket for the first backward, rebuilt from its order.
-        indices, limits = dist._compute_bucket_assignment_by_size(params, [sys.maxsize], [False] * len(params))
+        # Buckets of ``bucket_bytes`` from the first backward on, in reverse registration order (the order
+        # backward makes most models' gradients; the same on every rank), rebuilt after it from the order
+        # that backward really made them (one broadcast of rank 0's, as DDP does). DDP without
+        # find_unused_parameters starts with one bucket instead, which overlaps nothing in that backward: a
+        # whole step's communication exposed once per start, harmless where DDP starts once, but auto's
+        # tuner starts the reducer at each switch to it and measures the setting it keeps from the very
+        # next step (docs/tuning.md, "The first step after a switch to the reducer").
+        indices, limits = dist._compute_bucket_assignment_by_size(params, [bucket_bytes], [False] * len(params))
         mapping = dict(enumerate(names)) if names is not None else {}
         self._reducer: Any = dist.Reducer(params, list(reversed(indices)), list(reversed(limits)), group,
                                           [False] * len(params), bucket_bytes, False, False, mapping,

@@ -80,6 +80,34 @@ def test_the_reducer_reduces_every_gradient_while_commsched_submits_none_and_tra
         assert torch.equal(p, q)
 
 
+def test_the_first_backward_under_the_reducer_already_runs_in_buckets_last_layer_first():
+    # auto measures the setting it keeps from the step right after its switch: a first backward in one
+    # bucket (DDP's start) would expose that whole step's communication there
+    import torch.distributed as dist
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = sync_opt(model)
+    train(opt, model, 2)
+    opt._start_reducer(256)
+    backwards: list[list[list[tuple[int, ...]]]] = [[], []]
+
+    def count(state, bucket):  # the buckets each backward reduces, in launch order
+        backwards[opt.stats()["reducer"]["backwards"] - 1].append([tuple(p.shape) for p in bucket.parameters()])
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    dist._register_comm_hook(opt._reducer._reducer, None, count)
+    train(opt, model, 2, start=2)
+    first, second = backwards
+    assert len(first) > 1 and {(2, 16), (2,)} <= set(first[0])  # the last layer's gradients go first
+    # the next forward rebuilt the buckets from that backward's order: every gradient once in each backward
+    assert len(second) > 1 and sorted(s for b in first for s in b) == sorted(s for b in second for s in b) == \
+        sorted(tuple(p.shape) for p in model.parameters())
+    opt._close_reducer()
+    opt.close()
+
+
 def test_a_step_that_leaves_a_parameter_without_a_gradient_is_an_error_naming_the_fix():
     model = TwoHeads()
     opt = sync_opt(model)
