@@ -75,6 +75,14 @@ def test_the_auto_warm_up_runs_while_the_tuner_searches_by_what_every_rank_knows
     assert tuning(Opt(11, next_decision=11 + sample - 1, switches=[{}]))  # a sample runs
     assert not tuning(Opt(30, next_decision=30 + TUNER_OPTIONS["check_every"], switches=[{}]))  # settled
     assert not tuning(Opt(30, switches=[{}]))  # no more decisions
+    # the kept setting's first steps after the last switch warm up too (the tuner's settle steps): the
+    # switch decided at the end of step 27 applies from step 29, which ends with 30 steps done
+    kept = [{"applies_from": 20, "settings": {"ordering": "fifo"}},
+            {"applies_from": 29, "settings": {"ordering": "reducer"}}]
+    far = 29 + TUNER_OPTIONS["check_every"]
+    assert tuning(Opt(29, next_decision=far, switches=kept))
+    assert not tuning(Opt(29 + TUNER_OPTIONS["settle"], next_decision=far, switches=kept))
+    assert not tuning(Opt(29, next_decision=far, switches=[*kept[:1], {"applies_from": 29, "settings": None}]))
     # scheduler threads replaced by a switch: counted thread by thread, never negative
     assert thread_cpu_delta({("dispatch", 1): 5.0}, {("dispatch", 2): 0.25}) == {"dispatch": 0.25}
 

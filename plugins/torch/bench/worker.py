@@ -373,15 +373,22 @@ AUTO_MAX_TUNING_STEPS = 124
 def tuning(opt: Any) -> bool:
     """Whether ``ordering="auto"`` is still searching, by what every rank knows alike (the agreed
     decisions): while searching, the next decision ends the current sample, at most settle +
-    sample steps ahead; a settled tuner's next decision is its drift check, ``check_every`` ahead."""
+    sample steps ahead; a settled tuner's next decision is its drift check, ``check_every`` ahead.
+    After the last switch, the kept setting's first ``settle`` steps still warm up: the tuner does not
+    score them either (a new scheduler's first step, the reducer's bucket rebuild), and every other
+    strategy is measured after its own warm-up steps."""
     from commsched.plugins.torch.optimizer import TUNER_OPTIONS
 
     stats = opt.stats()
     tuner = stats["tuner"]
     nxt = tuner.get("next_decision")
     if nxt is None:  # a decision taken, to be read next step; else none yet, or no more
-        return tuner.get("pending_decision") is not None or not tuner.get("switches")
-    return nxt - stats["steps"] <= TUNER_OPTIONS["settle"] + TUNER_OPTIONS["sample_steps"] + 1
+        if tuner.get("pending_decision") is not None or not tuner.get("switches"):
+            return True
+    elif nxt - stats["steps"] <= TUNER_OPTIONS["settle"] + TUNER_OPTIONS["sample_steps"] + 1:
+        return True
+    changed = [s for s in tuner.get("switches") or () if s.get("settings") is not None or s.get("plan")]
+    return bool(changed) and stats["steps"] < changed[-1]["applies_from"] + TUNER_OPTIONS["settle"]
 
 
 def run_train(spec: dict, rank: int, progress: Progress) -> dict:
