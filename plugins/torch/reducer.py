@@ -76,8 +76,8 @@ class DdpReducer:
         # that backward really made them (one broadcast of rank 0's, as DDP does). DDP without
         # find_unused_parameters starts with one bucket instead, which overlaps nothing in that backward: a
         # whole step's communication exposed once per start, harmless where DDP starts once, but auto's
-        # tuner starts the reducer at each switch to it and measures the setting it keeps from the very
-        # next step (docs/tuning.md, "The first step after a switch to the reducer").
+        # tuner starts the reducer anew at each sample of it and at each switch back to it (docs/tuning.md,
+        # "The first step after a switch to the reducer").
         indices, limits = dist._compute_bucket_assignment_by_size(params, [bucket_bytes], [False] * len(params))
         mapping = dict(enumerate(names)) if names is not None else {}
         self._reducer: Any = dist.Reducer(params, list(reversed(indices)), list(reversed(limits)), group,
