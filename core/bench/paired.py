@@ -7,6 +7,11 @@ those over the rounds. "The best peer" is the peer with the smallest median of r
 also gives the speedup over the fastest peer *of each round* (a harder bar: the minimum of several
 noisy medians is biased low). A ratio whose per-round values straddle 1.0 cannot tell the two apart.
 
+``--by mean`` pairs the rounds' mean steps instead (each round's ``step_times_s``: throughput). Where a
+strategy's steps alternate long and short (the cross-iteration path when the link is the bottleneck:
+the communication of one step spills into the next), a median of 10 steps falls in either cluster while
+the mean is the period the link sets (docs/tuning.md, "The first step after a switch to the reducer").
+
 This is how the targets of the form "commsched's best >= 0.99x the best of ddp, ddp:1, ddp:4,
 horovod" are read off one interleaved run (docs/bench.md, Rounds).
 """
@@ -23,8 +28,15 @@ from commsched.bench.report import median
 DEFAULT_PEERS = ("ddp", "ddp:1", "ddp:4", "horovod")
 
 
-def per_round(report: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """``{strategy: {round: median step s}}`` of the rounds that ran; refuses a report without rounds."""
+#: What a round's step is, for pairing: the round's median step (the report's), or the mean of its steps.
+BY = ("median", "mean")
+
+
+def per_round(report: dict[str, Any], by: str = "median") -> dict[str, dict[int, float]]:
+    """``{strategy: {round: step s}}`` of the rounds that ran, the round's median step or (``by="mean"``) the
+    mean of its ``step_times_s``; refuses a report without rounds, or without the steps a mean needs."""
+    if by not in BY:
+        raise ValueError(f"by={by!r}: pair the rounds' 'median' or 'mean' step")
     out: dict[str, dict[int, float]] = {}
     for e in report["results"]:
         if e["status"] != "ok":
@@ -32,19 +44,25 @@ def per_round(report: dict[str, Any]) -> dict[str, dict[int, float]]:
         if not e.get("rounds"):
             raise ValueError(f"strategy {e['strategy']!r} has no rounds: measure with commsched bench --rounds 3 "
                              "(or more) so its ratios can be paired within a round")
-        out[e["strategy"]] = {x["round"]: x["step_time_s"] for x in e["rounds"] if x["status"] == "ok"}
+        ok = [x for x in e["rounds"] if x["status"] == "ok"]
+        if by == "mean" and any(not x.get("step_times_s") for x in ok):
+            raise ValueError(f"strategy {e['strategy']!r}: its rounds carry no step_times_s (a report from before "
+                             "they were kept); pair it by median")
+        out[e["strategy"]] = {x["round"]: (x["step_time_s"] if by == "median" else
+                                           sum(x["step_times_s"]) / len(x["step_times_s"])) for x in ok}
     return out
 
 
-def paired(report: dict[str, Any], peers: tuple[str, ...] = DEFAULT_PEERS) -> dict[str, Any]:
-    """For every non-peer strategy: its paired speedups over the best peer and over each round's fastest peer."""
-    rounds = per_round(report)
+def paired(report: dict[str, Any], peers: tuple[str, ...] = DEFAULT_PEERS, by: str = "median") -> dict[str, Any]:
+    """For every non-peer strategy: its paired speedups over the best peer and over each round's fastest peer
+    (``by``: the rounds' median steps, or their mean steps)."""
+    rounds = per_round(report, by)
     present = [p for p in peers if p in rounds]
     if not present:
         raise ValueError(f"none of the peers {', '.join(peers)} ran in this report (it has "
                          f"{', '.join(rounds) or 'no strategy that ran'}); pass --peers")
     best = min(present, key=lambda p: median(list(rounds[p].values())))
-    out: dict[str, Any] = {"best_peer": best, "peers": present, "strategies": {}}
+    out: dict[str, Any] = {"best_peer": best, "peers": present, "by": by, "strategies": {}}
     for name, steps in rounds.items():
         if name in present:
             continue
@@ -63,17 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("report", help="a commsched bench JSON measured with --rounds")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help=f"the strategies to beat, comma-separated (default {','.join(DEFAULT_PEERS)})")
+    parser.add_argument("--by", choices=BY, default="median",
+                        help="pair each round's median step (default) or the mean of its steps (throughput)")
     args = parser.parse_args(argv)
     try:
         with open(args.report) as fh:
             report = json.load(fh)
-        result = paired(report, tuple(p.strip() for p in args.peers.split(",") if p.strip()))
+        result = paired(report, tuple(p.strip() for p in args.peers.split(",") if p.strip()), args.by)
     except (OSError, ValueError, KeyError) as exc:
         print(f"commsched.bench.paired: {args.report}: {exc}", file=sys.stderr)
         return 2
     cfg = report["config"]
     print(f"{cfg['workload']}, {cfg['workers']} workers, {cfg['bandwidth'] or 'unshaped'} ({report['emulation']}): "
-          f"best peer {result['best_peer']} (of {', '.join(result['peers'])})")
+          f"best peer {result['best_peer']} (of {', '.join(result['peers'])}), rounds paired by {args.by} step")
     for name, r in result["strategies"].items():
         rounds = ", ".join(f"{v:.3f}" for v in r["vs_best_peer_rounds"])
         print(f"  {name}: {r['vs_best_peer']:.3f}x {result['best_peer']} (rounds {rounds}); "

@@ -269,3 +269,24 @@ def test_paired_ratios_against_the_best_peer_are_read_per_round(tmp_path, capsys
     assert "none of the peers horovod ran" in capsys.readouterr().err
     path.write_text(json.dumps(_report([_phase("ddp", [1.0] * 4, 0)])))
     assert paired.main([str(path)]) == 2 and "--rounds 3" in capsys.readouterr().err
+
+
+def test_paired_by_mean_reads_throughput_where_a_median_falls_in_one_cluster_of_steps():
+    from commsched.bench.paired import paired
+
+    # "spill" runs three quick steps and one slow one (the link's period spread unevenly over steps): its
+    # median is a quick step, its mean the period; ddp is steady
+    ddp = [_phase("ddp", [0.8] * 4, r) for r in range(3)]
+    spill = [_phase("spill", [0.6, 0.6, 0.6, 1.5], r, 1) for r in range(3)]
+    report = _report([ddp, spill])
+    by_median = paired(report, ("ddp",))["strategies"]["spill"]
+    by_mean = paired(report, ("ddp",), by="mean")
+    assert by_median["vs_best_peer"] == pytest.approx(0.8 / 0.6)
+    assert by_mean["by"] == "mean" and by_mean["strategies"]["spill"]["vs_best_peer"] == pytest.approx(0.8 / 0.825)
+    with pytest.raises(ValueError, match="'median' or 'mean'"):
+        paired(report, ("ddp",), by="p90")
+    for x in report["results"][1]["rounds"]:
+        x["step_times_s"] = None  # a report from before rounds kept their steps
+    with pytest.raises(ValueError, match="'spill'.*no step_times_s.*by median"):
+        paired(report, ("ddp",), by="mean")
+    assert paired(report, ("ddp",))["strategies"]["spill"]["vs_best_peer"] == pytest.approx(0.8 / 0.6)
