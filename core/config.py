@@ -218,7 +218,8 @@ class SchedulerConfig:
             plan, ``partition_bytes`` and ``credit_bytes`` come from the plan. None
             (the default) with ``"planned"``: the PyTorch optimizer runs the first steps
             as ``"dynamic"``, rank 0 plans from their profile and every rank switches to the
-            plan at an agreed step (docs/tuning.md).
+            plan at an agreed step (docs/tuning.md). A plan whose ``engine`` is ``"reducer"``
+            runs on torch's own reducer (DDP's) from step 2 where it can (docs/planner.md).
         decide_ahead: with ``ordering="dynamic"`` (and ``static``'s recorded step), rank 0
             publishes the whole remaining order of a step in one message as soon as that
             order is final (the step ended and every one of its gradients is queued), ahead

@@ -24,6 +24,13 @@ A :class:`Plan` says, for one model on one topology:
   default: a fixed replay of a *predicted* order holds every piece behind one that is
   ready later than the profile said; the order the ranks really saw does not
   (docs/planner.md, "What the order costs");
+* **engine** — ``"commsched"`` (the default): commsched's scheduler runs the groups and pieces
+  above; ``"reducer"``: the planner found the communication hidden already behind compute
+  under DDP's own shape, so nothing is left to schedule, and the plan names the framework's
+  own bucketed reducer (torch's C++ ``Reducer``, DDP's) with buckets of ``bucket_bytes``.
+  Its groups and pieces are then DDP's shape inside commsched (small tensors fused up to
+  ``bucket_bytes``, one piece each), which a framework or a model the reducer cannot serve
+  runs instead (docs/planner.md, "A plan that names DDP's engine");
 * **model** — the fingerprint: each parameter's name, element count, element size,
   and (when the profile recorded them) shape and dtype, so a plan made for another
   model is refused before any step, naming the difference;
@@ -45,8 +52,8 @@ from typing import Any, Iterable
 from commsched.errors import CommschedError
 from commsched.partition import piece_bounds
 
-__all__ = ["ALGORITHMS", "OBSERVED_STEP", "ORDERS", "SCHEMA", "Plan", "PlanGroup", "PlanMismatch", "PlannedPiece",
-           "PlannedTensor", "fused_name"]
+__all__ = ["ALGORITHMS", "ENGINES", "OBSERVED_STEP", "ORDERS", "SCHEMA", "Plan", "PlanGroup", "PlanMismatch",
+           "PlannedPiece", "PlannedTensor", "fused_name"]
 
 SCHEMA = "commsched-plan/1"
 #: All-reduce algorithms a planned piece may name (see :mod:`commsched.costmodel.collectives`).
@@ -55,6 +62,9 @@ ALGORITHMS = ("ring", "hierarchical")
 #: rank 0 deciding every step) or ``observed`` (by priority up to :data:`OBSERVED_STEP`, then
 #: that step's order every step).
 ORDERS = ("fixed", "priority", "observed")
+#: What reduces a plan's gradients: ``commsched`` (its scheduler, the plan's pieces) or ``reducer``
+#: (the framework's own bucketed reducer, buckets of ``Plan.bucket_bytes``; the pieces where it cannot run).
+ENGINES = ("commsched", "reducer")
 #: The step whose readiness an ``"observed"`` plan replays. Not step 0: step 0 is a warm-up (the
 #: first collectives, the allocator, no forward wait before it), its backward and its
 #: communication are paced unlike the steady state's. Step 2 is the bench's last warm-up.
@@ -124,6 +134,9 @@ class Plan:
     nodes: int = 1
     ranks_per_node: int = 1
     order: str = "fixed"
+    engine: str = "commsched"
+    #: ``engine="reducer"``: the reducer's bucket size (None with ``engine="commsched"``)
+    bucket_bytes: int | None = None
     topology: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     predicted: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
@@ -145,7 +158,7 @@ class Plan:
 
     @property
     def digest(self) -> str:
-        """sha256 of what every rank must agree on: fingerprint, world, groups, pieces, credit, order."""
+        """sha256 of what every rank must agree on: fingerprint, world, groups, pieces, credit, order, engine."""
         body: dict[str, Any] = {
             "fingerprint": self.fingerprint, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
             "credit_bytes": self.credit_bytes,
@@ -153,6 +166,8 @@ class Plan:
             "pieces": [[p.task, p.index, p.algorithm] for p in self.pieces]}
         if self.order != "fixed":  # plans written before the field keep their digest
             body["order"] = self.order
+        if self.engine != "commsched":  # so do plans written before this field
+            body["engine"] = [self.engine, self.bucket_bytes]
         return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
     @property
@@ -198,6 +213,15 @@ class Plan:
                 raise ValueError(f"plan {key}={value!r} must be a positive integer")
         if self.order not in ORDERS:
             raise ValueError(f"plan order={self.order!r}; known: {', '.join(ORDERS)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"plan engine={self.engine!r}; known: {', '.join(ENGINES)}")
+        if self.engine == "reducer" and (isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int)
+                                         or self.bucket_bytes <= 0):
+            raise ValueError(f"plan engine='reducer' needs bucket_bytes, the reducer's bucket size in bytes (> 0); "
+                             f"got {self.bucket_bytes!r}")
+        if self.engine == "commsched" and self.bucket_bytes is not None:
+            raise ValueError(f"plan bucket_bytes={self.bucket_bytes!r} is the reducer's bucket size: only a plan with "
+                             "engine='reducer' has one")
         tensors: dict[str, PlannedTensor] = {}
         for t in self.model:
             if t.name in tensors:
@@ -303,7 +327,7 @@ class Plan:
                                       "shape": None if t.shape is None else list(t.shape), "dtype": t.dtype}
                                      for t in self.model]},
             "nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "credit_bytes": self.credit_bytes,
-            "order": self.order,
+            "order": self.order, "engine": self.engine, "bucket_bytes": self.bucket_bytes,
             "groups": [{"name": g.name, "tensors": list(g.tensors), "partition_bytes": g.partition_bytes}
                        for g in self.groups],
             "pieces": [{"task": p.task, "index": p.index, "algorithm": p.algorithm,
@@ -332,6 +356,8 @@ class Plan:
                              for p in data["pieces"]),
                 credit_bytes=int(data["credit_bytes"]), nodes=int(data.get("nodes", 1)),
                 ranks_per_node=int(data.get("ranks_per_node", 1)), order=str(data.get("order", "fixed")),
+                engine=str(data.get("engine", "commsched")),
+                bucket_bytes=None if data.get("bucket_bytes") is None else int(data["bucket_bytes"]),
                 topology=dict(data.get("topology", {})),
                 predicted=dict(data.get("predicted", {})), meta=dict(data.get("meta", {})))
         except (KeyError, TypeError, AttributeError, OverflowError) as exc:

@@ -23,11 +23,19 @@ from commsched.errors import CommschedTimeout
 from commsched.plan import Plan, PlanMismatch, PlannedTensor
 from commsched.store import Store
 
-__all__ = ["agree_on_plan", "check_plan", "plan_summary", "store_gather"]
+__all__ = ["agree_on_plan", "check_plan", "note_engine", "plan_summary", "store_gather"]
 
 log = logging.getLogger(__name__)
 
 _SUMMARY_FIELDS = ("digest", "fingerprint", "world", "credit_bytes", "groups", "pieces", "source")
+
+
+def note_engine(plan: Plan, why: str) -> None:
+    """Say (a warning) that ``plan`` names the framework's reducer but its pieces run instead, and ``why``."""
+    if plan.engine == "reducer":
+        log.warning("plan %s names the framework's own reducer (DDP's engine, buckets of %s B), which cannot run "
+                    "here (%s): its pieces, DDP's shape, run on commsched instead", plan.digest[:12],
+                    plan.bucket_bytes, why)
 
 
 def check_plan(source: Any, parameters: Iterable[PlannedTensor], world_size: int) -> Plan:

@@ -300,7 +300,9 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
     try:
         from commsched.costmodel.planner import PlanSearch, make_plan
 
-        result = make_plan(profile, topology, time_limit_s=plan_time_limit_s)
+        # never a plan that names DDP's engine: the tuner measures torch's reducer among its own starts
+        result = make_plan(profile, topology, PlanSearch.for_profile(profile, reducer_buckets=()),
+                           time_limit_s=plan_time_limit_s)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         notes.append(f"no plan to try ({exc!r})")
         return ModelStarts(starts, plans, notes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from commsched.costmodel.cli import add_source_arguments, load_profile, load_topology
 from commsched.costmodel.planner import PLAN_STAGES, PlanResult, PlanSearch, make_plan
@@ -48,6 +49,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credits-mb", default=None, help="credits to search, MB (default 1,4,16,64)")
     p.add_argument("--fusions-mb", default=None, help="fusion thresholds to search, MB; 0 = none "
                                                       "(default 0,0.25,1,4)")
+    p.add_argument("--reducer-mb", default=None,
+                   help="bucket sizes, MB, at which DDP's own engine is weighed: where its shape already hides the "
+                        "communication in the model and the search gains no more than --min-gain on it, the plan "
+                        "names the framework's reducer (default 1,4; 'none': always commsched's pieces)")
     p.add_argument("--kept-default-order", choices=ORDERS, default=PlanSearch.kept_default_order,
                    help="where the plan is the runtime default's settings (no gain past --min-gain): issue its "
                         "pieces by priority for 3 steps, then every step in one order made from the third step's "
@@ -70,7 +75,7 @@ def plan_markdown(result: PlanResult, profile: Profile, topology: Topology, comp
     lines = [f"# plan for {profile.source} on {topology.describe()}", "",
              f"{len(plan.pieces)} pieces in {len(plan.groups)} groups ({len(fused)} fused, "
              f"{sum(len(g.tensors) for g in fused)} tensors in them), credit {plan.credit_bytes / MB:g} MiB, "
-             f"algorithms {', '.join(algorithms)}, order {plan.order}; digest {plan.digest[:12]}; "
+             f"algorithms {', '.join(algorithms)}, order {plan.order}; {_engine(plan)}; digest {plan.digest[:12]}; "
              f"searched {result.candidates} candidates in {result.seconds:.1f} s", "",
              "| stage | simulated step s | gain s | what |", "|---|---:|---:|---|"]
     for stage in result.stages:
@@ -95,6 +100,13 @@ def plan_markdown(result: PlanResult, profile: Profile, topology: Topology, comp
     return "\n".join(lines)
 
 
+def _engine(plan: Any) -> str:
+    if plan.engine == "reducer":
+        return (f"engine: the framework's reducer (DDP's), buckets {plan.bucket_bytes / MB:g} MiB "
+                "(these pieces where it cannot run)")
+    return "engine: commsched"
+
+
 def run_plan(args: argparse.Namespace) -> int:
     try:
         topology = load_topology(args)
@@ -103,7 +115,9 @@ def run_plan(args: argparse.Namespace) -> int:
             profile = profile.with_tied_split()
         overrides = {k: v for k, v in (("partitions", _sizes(args.partitions_mb, "--partitions-mb")),
                                        ("credits", _sizes(args.credits_mb, "--credits-mb")),
-                                       ("fusions", _sizes(args.fusions_mb, "--fusions-mb"))) if v is not None}
+                                       ("fusions", _sizes(args.fusions_mb, "--fusions-mb")),
+                                       ("reducer_buckets", () if (args.reducer_mb or "").strip().lower() == "none"
+                                        else _sizes(args.reducer_mb, "--reducer-mb"))) if v is not None}
         search = PlanSearch.for_profile(profile, time_limit_s=args.time_limit, min_gain=args.min_gain,
                                          kept_default_order=args.kept_default_order, **overrides)
         compare = [s.strip() for s in args.compare.split(",") if s.strip()]

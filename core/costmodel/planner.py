@@ -33,7 +33,11 @@ Search, in stages (each records its best step time in ``PlanResult.stages``):
   from the best EDD order; then the credit again for that order;
 * ``margin`` — if the best is not ahead of the runtime default's EDD plan by more than
   ``PlanSearch.min_gain`` (5 %: the model's error here) in the model, that default plan is
-  the result: a predicted gain inside the model's error is no reason to depart from it.
+  the result: a predicted gain inside the model's error is no reason to depart from it;
+* ``engine`` — if DDP's own shape (``PlanSearch.reducer_buckets``) already hides the
+  communication in the model and the best is not more than the margin ahead of it, the plan
+  names the framework's reducer (``Plan.engine``) with that bucket size: nothing is left to
+  schedule, and DDP's engine runs in C++ what commsched runs per piece in Python.
 
 The MILP: one network resource, non-preemptive units ``u`` with release ``r_u``
 (when backward makes the group ready), a duration per algorithm ``d_ua``
@@ -61,7 +65,8 @@ from typing import Any, Callable, Iterator
 
 from commsched.costmodel.collectives import allreduce_s
 from commsched.costmodel.profile import Profile
-from commsched.costmodel.simulator import SimResult, SimSettings, fusion_runs, planned_tensors, simulate
+from commsched.costmodel.simulator import (SimResult, SimSettings, StrategyModel, fusion_runs, planned_tensors,
+                                           simulate)
 from commsched.costmodel.topology import Topology
 from commsched.plan import ALGORITHMS, ORDERS, Plan, PlanGroup, PlannedPiece, fused_name
 from commsched.partition import piece_bounds
@@ -131,6 +136,14 @@ class PlanSearch:
     #: for the one listed before it when a gradient is ready later than the profile says; on
     #: comm-heavy, `static` ran 2-3 % ahead of `dynamic` in every round (docs/planner.md).
     kept_default_order: str = "observed"
+    #: the bucket sizes at which the ``engine`` stage weighs DDP's own engine (the framework's bucketed
+    #: reducer, every bucket at that size: ``reducer:<MB>``); empty: the plan is always commsched's.
+    #: Where DDP's best shape leaves at most ``min_gain`` of its step exposed in the model and the
+    #: search's best is not more than ``min_gain`` ahead of it, nothing is left to schedule and the plan
+    #: names the reducer: it runs in C++ what commsched runs per piece in Python (measured on flat
+    #: compute-heavy: the search's plans 0.947-0.998x the best DDP, torch's reducer under ``auto``
+    #: 1.01-1.03x; docs/planner.md, "A plan that names DDP's engine").
+    reducer_buckets: tuple[int, ...] = (1 * MIB, 4 * MIB)
     simulated_steps: int = 4
 
     @classmethod
@@ -165,6 +178,9 @@ class PlanSearch:
             raise ValueError(f"PlanSearch.min_in_flight={self.min_in_flight!r} must be an integer >= 1")
         if self.kept_default_order not in ORDERS:
             raise ValueError(f"PlanSearch.kept_default_order={self.kept_default_order!r}: use one of {ORDERS}")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in self.reducer_buckets):
+            raise ValueError(f"PlanSearch.reducer_buckets={self.reducer_buckets!r} must be positive byte counts "
+                             "(or empty: never the reducer)")
         if not (math.isfinite(self.min_credit_s) and self.min_credit_s >= 0):
             raise ValueError(f"PlanSearch.min_credit_s={self.min_credit_s!r} must be >= 0 seconds (0: off)")
 
@@ -273,6 +289,39 @@ def greedy_plan(profile: Profile, topology: Topology, groups: list[PlanGroup], c
         raise RuntimeError("the simulated EDD step did not start every piece")
     plan = _plan(profile, topology, groups, order, algorithms, credit)
     return plan, simulate(profile, topology, "planned", settings, plan=plan)
+
+
+def _reducer_engine(profile: Profile, topology: Topology, search: PlanSearch, best_s: float,
+                    settings: SimSettings) -> tuple[Plan, SimResult, dict[str, Any]] | None:
+    """The ``engine`` stage: a plan that names DDP's own engine, or None to keep commsched's.
+
+    DDP's shape at each of ``search.reducer_buckets`` is simulated (``reducer:<MB>``: every bucket at that
+    size, in the order backward makes them); the fastest counts. If its communication is hidden (exposed at
+    most ``min_gain`` of its step) and the search's best (``best_s``) is not more than ``min_gain`` ahead of
+    it, no schedule has anything to gain that the model can see, and what is left is each engine's own
+    overhead, which the model does not price apart: DDP's hooks, copies and launches run in C++, commsched's
+    per piece in Python. The plan's groups are then DDP's shape inside commsched (small tensors fused up to
+    the bucket size, one piece each, all in flight), for a runtime that cannot run the reducer."""
+    if not search.reducer_buckets or topology.world_size < 2:
+        return None
+    runs = [(simulate(profile, topology, StrategyModel(f"reducer:{b / MIB:g}", "ddp", bucket_bytes=b), settings), b)
+            for b in search.reducer_buckets]
+    ddp, bucket = min(runs, key=lambda run: (run[0].step_time_s, run[1]))
+    hidden = ddp.exposed_comm_s <= search.min_gain * ddp.step_time_s
+    if not hidden or best_s < ddp.step_time_s * (1 - search.min_gain):
+        return None
+    groups = make_groups(profile, bucket, max([bucket] + [t.nbytes for t in _tensors_forward(profile)]))
+    total = max(1, sum(t.nbytes for t in _tensors_forward(profile)))
+    plan, _ = greedy_plan(profile, topology, groups, total, "ring", settings.steps)
+    plan = dataclasses.replace(plan, order="observed", engine="reducer", bucket_bytes=bucket)
+    result = simulate(profile, topology, "planned", settings, plan=plan)
+    stage = {"stage": "engine: DDP's reducer", "step_time_s": result.step_time_s, "bucket_bytes": bucket,
+             "what": f"DDP's shape ({bucket / MIB:g} MiB buckets) leaves {ddp.exposed_comm_s * 1e3:.1f} ms of its "
+                     f"{ddp.step_time_s * 1e3:.1f} ms step exposed (not more than the margin of "
+                     f"{100 * search.min_gain:.0f} %) and the search's best ({best_s * 1e3:.1f} ms) is not more than "
+                     "the margin ahead: communication is hidden already, so the plan names the framework's own "
+                     "reducer (PlanSearch.reducer_buckets)"}
+    return plan, result, stage
 
 
 # --------------------------------------------------------------------------- MILP
@@ -430,7 +479,7 @@ def solve_order(profile: Profile, topology: Topology, groups: list[PlanGroup], w
 
 # --------------------------------------------------------------------------- search
 #: The stages of :func:`make_plan`, in order (what its ``progress`` callback names).
-PLAN_STAGES = ("dynamic", "greedy", "sizes", "milp")
+PLAN_STAGES = ("dynamic", "greedy", "sizes", "milp", "engine")
 
 
 def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = None, *,
@@ -580,6 +629,12 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
         stages.append({"stage": f"order: the runtime's {order} order", "step_time_s": best_time, "order": order,
                        "what": "the plan is the runtime default's settings, so its pieces go in the runtime's order "
                                f"({how}) instead of a replay of the simulated order (PlanSearch.kept_default_order)"})
+    tick("engine")
+    engine = _reducer_engine(profile, topology, search, best_time, settings)
+    if engine is not None:
+        best_plan, best_result, stage = engine
+        best_time = best_result.step_time_s
+        stages.append(stage)
     for stage, prev in zip(stages[1:], stages[:-1], strict=False):
         stage["gain_s"] = prev["step_time_s"] - stage["step_time_s"]
     predicted = {"step_time_s": best_time, "exposed_comm_s": best_result.exposed_comm_s,

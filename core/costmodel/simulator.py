@@ -52,7 +52,9 @@ strategy         model
 ``hierarchical`` ``dynamic`` with every piece reduced by the two-level algorithm
 ``planned``      a :class:`~commsched.plan.Plan`: its groups (fused small tensors
                  become ready with the last of them), its pieces in its one fixed
-                 order every step, each with its own algorithm, within its credit
+                 order every step, each with its own algorithm, within its credit;
+                 a plan whose ``engine`` is ``reducer``: DDP's buckets of its
+                 ``bucket_bytes`` (as ``reducer:<MB>``)
 ``slack``        ``dynamic`` ranked by the seed's slack rule instead of layer order
                  (:mod:`commsched.costmodel.slack`, ``SimSettings.slack_alpha``)
 ===============  ==============================================================
@@ -518,6 +520,9 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
         if plan is None:
             raise ValueError("strategy 'planned' needs a plan (make one with `commsched plan`)")
         plan.check_model(planned_tensors(profile))
+        if plan.engine == "reducer":  # DDP's own engine, every bucket at the plan's size (as ``reducer:<MB>``)
+            return simulate(profile, topology, StrategyModel(model.name, "ddp", bucket_bytes=plan.bucket_bytes),
+                            settings)
     else:
         plan = None  # only 'planned' executes a plan
 

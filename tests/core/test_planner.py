@@ -21,8 +21,9 @@ from commsched.plan import Plan, PlanGroup, PlanMismatch, PlannedTensor
 
 KB, MB = 1 << 10, 1 << 20
 # A small search, so each test takes well under a second.
+# (reducer_buckets=(): commsched's pieces always; the engine stage has tests of its own below)
 QUICK = PlanSearch(partitions=(256 * KB, 1 * MB, 4 * MB), credits=(1 * MB, 8 * MB), fusions=(0, 256 * KB),
-                   time_limit_s=1.0, size_rounds=1, size_groups=3)
+                   time_limit_s=1.0, size_rounds=1, size_groups=3, reducer_buckets=())
 
 
 def flat(world: int = 2, bandwidth: float = 125e6, alpha: float = 50e-6) -> Topology:
@@ -195,7 +196,7 @@ def test_a_predicted_gain_inside_the_margin_keeps_the_runtime_default_plan():
     # margin the search departs from it for what the model calls faster; with a margin larger than
     # that gain the default's own EDD plan is the result, and the report says why.
     grid = dict(partitions=(256 * KB, 1 * MB, 4 * MB), credits=(1 * MB, 4 * MB), fusions=(0, 256 * KB),
-                time_limit_s=1.0, size_rounds=1, size_groups=3)
+                time_limit_s=1.0, size_rounds=1, size_groups=3, reducer_buckets=())
     topo = flat()
     free = make_plan(MIXED, topo, PlanSearch(**grid, min_gain=0.0))
     default, default_result = greedy_plan(MIXED, topo, make_groups(MIXED, 256 * KB, 1 * MB), 4 * MB, "ring",
@@ -234,6 +235,77 @@ def test_a_large_gain_passes_the_margin_two_level():
     result = make_plan(prof, two_level(), search)
     assert {p.algorithm for p in result.plan.pieces} == {"hierarchical"}
     assert not any(s["stage"].startswith("margin") for s in result.stages)
+
+
+# ---------------------------------------------------------------- the engine stage
+# Compute-bound: 8 layers of 1 MiB, 60 ms of backward each against 8 ms of the link a layer. DDP's buckets
+# hide all but the first layer's all-reduce (~17 ms of a ~0.75 s step). Comm-bound: the same bytes behind 2 ms.
+HIDDEN = model([[4 * KB, 1 * MB, 4 * KB]] * 8, fwd=0.03, bwd=0.06)
+EXPOSED = model([[4 * KB, 1 * MB, 4 * KB]] * 8, fwd=0.001, bwd=0.002)
+ENGINE = dataclasses.replace(QUICK, reducer_buckets=(1 * MB, 4 * MB))
+
+
+def test_where_ddps_shape_hides_the_communication_the_plan_names_ddps_engine_with_its_best_bucket():
+    result = make_plan(HIDDEN, flat(), ENGINE)
+    plan = result.plan
+    assert plan.engine == "reducer" and plan.bucket_bytes in (1 * MB, 4 * MB)
+    stage = result.stages[-1]
+    assert stage["stage"] == "engine: DDP's reducer" and stage["bucket_bytes"] == plan.bucket_bytes
+    # the model's step of the plan is DDP's with every bucket at that size, the best of the two sizes
+    reducer = {b: simulate(HIDDEN, flat(), f"reducer:{b // MB}").step_time_s for b in (1 * MB, 4 * MB)}
+    assert result.step_time_s == pytest.approx(reducer[plan.bucket_bytes]) == pytest.approx(min(reducer.values()))
+    assert simulate(HIDDEN, flat(), "planned", plan=plan).step_time_s == pytest.approx(result.step_time_s)
+    # its pieces are DDP's shape inside commsched, for a runtime the reducer cannot serve: every tensor once,
+    # small ones fused up to the bucket size, one piece a group, every byte in flight at once
+    assert sorted(n for g in plan.groups for n in g.tensors) == sorted(t.name for layer in HIDDEN.layers
+                                                                        for t in layer.tensors)
+    assert all(len(plan.bounds(g)) == 1 for g in plan.groups) and any(g.fused for g in plan.groups)
+    assert plan.credit_bytes >= sum(plan.piece_bytes(p) for p in plan.pieces)
+    assert plan.order == "observed"
+
+
+@pytest.mark.parametrize("why", ["communication exposed", "no reducer sizes", "one rank"])
+def test_the_plan_stays_commscheds_where_communication_shows_or_the_reducer_is_not_weighed(why):
+    prof, search, topo = {"communication exposed": (EXPOSED, ENGINE, flat()),
+                          "no reducer sizes": (HIDDEN, QUICK, flat()),
+                          "one rank": (HIDDEN, ENGINE, flat(world=1))}[why]
+    result = make_plan(prof, topo, search)
+    assert result.plan.engine == "commsched" and result.plan.bucket_bytes is None
+    assert not any(s["stage"].startswith("engine") for s in result.stages)
+
+
+def test_a_plan_naming_the_reducer_round_trips_and_its_engine_is_part_of_the_digest(tmp_path):
+    plan = make_plan(HIDDEN, flat(), ENGINE).plan
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    again = Plan.from_json(str(path))
+    assert (again.engine, again.bucket_bytes, again.digest) == (plan.engine, plan.bucket_bytes, plan.digest)
+    as_pieces = dataclasses.replace(plan, engine="commsched", bucket_bytes=None)
+    assert as_pieces.digest != plan.digest  # ranks that disagree on the engine disagree on the plan
+    data = json.loads(path.read_text())
+    data["bucket_bytes"] = 2 * MB
+    with pytest.raises(ValueError, match="digest"):
+        Plan.from_dict(data)
+    # a plan written before the field: commsched's engine, and its digest as it was
+    old = json.loads(path.read_text())
+    for key in ("engine", "bucket_bytes", "digest"):
+        old.pop(key)
+    assert Plan.from_dict(old).engine == "commsched"
+    assert Plan.from_dict(old).digest == as_pieces.digest
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"engine": "nccl"}, "engine='nccl'; known: commsched, reducer"),
+    ({"engine": "reducer", "bucket_bytes": None}, "needs bucket_bytes"),
+    ({"engine": "reducer", "bucket_bytes": 0}, "needs bucket_bytes"),
+    ({"engine": "commsched", "bucket_bytes": MB}, "only a plan with engine='reducer'"),
+])
+def test_a_bad_engine_is_refused_naming_the_field(fields, message):
+    plan = make_plan(HIDDEN, flat(), ENGINE).plan
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        dataclasses.replace(plan, **fields)
+    with pytest.raises(ValueError, match="reducer_buckets"):
+        PlanSearch(reducer_buckets=(0,))
 
 
 def test_where_cpus_are_shared_the_credit_holds_the_runtimes_wake_latency_of_link_time():
@@ -301,3 +373,25 @@ def test_commsched_plan_refuses_bad_flags_with_exit_2(tmp_path):
                           "--json", str(tmp_path / "p.json"), "--partitions-mb", "x"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--partitions-mb" in run.stderr
+
+
+def test_commsched_plan_names_ddps_engine_where_it_hides_the_communication_unless_told_not_to(tmp_path):
+    prof_path = tmp_path / "profile.json"
+    HIDDEN.to_json(str(prof_path))
+    common = [sys.executable, "-m", "commsched", "plan", "--profile", str(prof_path), "--workers", "2",
+              "--bandwidth", "1gbit", "--time-limit", "1", "--partitions-mb", "1,4", "--credits-mb", "4,16",
+              "--fusions-mb", "0"]
+    runs = {}
+    for flag in ("1,4", "none", "0"):
+        path = tmp_path / f"plan-{flag}.json"
+        runs[flag] = (subprocess.run(common + ["--reducer-mb", flag, "--json", str(path)], capture_output=True,
+                                     text=True, timeout=120), path)
+    named, path = runs["1,4"]
+    assert named.returncode == 0, named.stderr
+    assert "engine: the framework's reducer (DDP's), buckets" in named.stdout
+    assert "| engine: DDP's reducer |" in named.stdout and Plan.from_json(str(path)).engine == "reducer"
+    off, path = runs["none"]
+    assert off.returncode == 0, off.stderr
+    assert "engine: commsched;" in off.stdout and Plan.from_json(str(path)).engine == "commsched"
+    bad, _ = runs["0"]
+    assert bad.returncode == 2 and "reducer_buckets" in bad.stderr
