@@ -106,7 +106,7 @@ ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "
 ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
 ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s",
-                   "profile_drift")
+                   "profile_drift", "engine", "bucket_bytes")
 #: Keys of ``calibration``, when it is not ``null``.
 CALIBRATION_KEYS = ("expected_regime", "measured_regime", "compute_over_comm", "matches", "calibrated",
                     "default_batch_size", "batch_size", "target_compute_over_comm", "trials", "method")
@@ -466,7 +466,9 @@ def round_plan(stats: Any) -> dict[str, Any] | None:
             "groups": info.get("groups"), "pieces": info.get("pieces"), "credit_bytes": info.get("credit_bytes"),
             "algorithms": info.get("algorithms"), "order": info.get("order"), "plan_s": info.get("plan_s"),
             # the cached profile's compute against this run's baseline, which the plan was scaled to (None: as cached)
-            "profile_drift": info.get("profile_drift")}
+            "profile_drift": info.get("profile_drift"),
+            # "reducer": the plan named DDP's engine with buckets of bucket_bytes (older reports: None, commsched's)
+            "engine": info.get("engine"), "bucket_bytes": info.get("bucket_bytes")}
 
 
 def round_tuner(stats: Any) -> dict[str, Any] | None:
@@ -985,6 +987,8 @@ def rounds_table(results: list[dict]) -> list[str]:
                          f"{plan['groups']} groups, {plan['pieces']} pieces, credit {_fmt(credit, '.2f')} MiB, "
                          f"{'/'.join(plan['algorithms'] or [])}"
                          + (f", {plan['order']} order" if plan.get("order") else "")
+                         + (f", engine: DDP's reducer, buckets {plan['bucket_bytes'] / (1 << 20):g} MiB"
+                            if plan.get("engine") == "reducer" and plan.get("bucket_bytes") else "")
                          + (f"; profile scaled {plan['profile_drift']:+.1%} to this run's compute"
                             if plan.get("profile_drift") is not None else ""))
     tuned = rounds_with("tuner")

@@ -47,7 +47,7 @@ from commsched.errors import CommschedTimeout, OrderAgreementError, SchedulerClo
 from commsched.lifecycle import Closeable, close_at_exit
 from commsched.partition import piece_bounds
 from commsched.plan import Plan, PlanMismatch, PlannedTensor
-from commsched.plan_agreement import agree_on_plan, store_gather
+from commsched.plan_agreement import agree_on_plan, note_engine, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler
 from commsched.tcpstore import StoreClient, StoreServer
@@ -424,11 +424,12 @@ class KVStore(Closeable, mx.kv.KVStoreBase):
         gather = None if world == 1 else self._gather("commsched-mx/plan")
         plan = agree_on_plan(found, rank=rank, world_size=world, gather=gather,
                              source=source if isinstance(source, str) else None)
+        note_engine(plan, "MXNet has no DDP reducer")
         fused = [g.name for g in plan.groups if g.fused]
         if fused:
             raise ValueError(f"the plan fuses small tensors into {len(fused)} group(s) ({fused[:3]}); the commsched "
                              "KVStore cannot (a ps-lite key is one array on the servers). Make the plan without "
-                             "fusion: `commsched plan ... --fusions-mb 0`")
+                             "fusion: `commsched plan ... --fusions-mb 0 --reducer-mb none`")
         hierarchical = sum(p.algorithm == "hierarchical" for p in plan.pieces)
         if hierarchical:
             log.warning("the plan (digest %s) has %d piece(s) planned 'hierarchical'; ps-lite has no two-level "

@@ -51,7 +51,7 @@ from commsched.config import SchedulerConfig, check_config, check_layer_priority
 from commsched.errors import SchedulerClosed
 from commsched.plan import Plan as CommPlan
 from commsched.plan import PlanMismatch, PlannedTensor, fused_name
-from commsched.plan_agreement import agree_on_plan, check_plan
+from commsched.plan_agreement import agree_on_plan, check_plan, note_engine
 from commsched.replay import (
     CostModel,
     Plan,
@@ -491,6 +491,7 @@ class GradientReducer:
                                        source=source if isinstance(source, str) else None)
             except PlanMismatch as exc:
                 raise _TracedPlanMismatch(str(exc)) from exc
+            note_engine(agreed, "TensorFlow has no DDP reducer")
             hierarchical = sum(p.algorithm == "hierarchical" for p in agreed.pieces)
             if hierarchical:
                 log.warning("the plan (digest %s) has %d piece(s) planned 'hierarchical'; TensorFlow's collective ops "

@@ -50,7 +50,7 @@ from commsched.config import SchedulerConfig, check_config, read_environment
 from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable
 from commsched.plan import Plan, PlannedTensor, fused_name
-from commsched.plan_agreement import agree_on_plan, check_plan, store_gather
+from commsched.plan_agreement import agree_on_plan, check_plan, note_engine, store_gather
 from commsched.policy import agrees_on_order
 from commsched.scheduler import Scheduler, Task
 from commsched.timeline import now_us
@@ -270,6 +270,10 @@ AUTO_PLAN_MIN_GAIN: float | None = None
 #: The bucket sizes of the starts where ``auto`` measures torch's own reducer (DDP's): ``bucket_cap_mb`` 1 and 4,
 #: the fastest DDPs on the bench's shaped and unshaped networks (docs/tuning.md)
 REDUCER_BUCKETS = (1 << 20, 4 << 20)
+#: The bucket sizes at which the plan ``ordering="planned"`` makes at runtime weighs DDP's own engine
+#: (``PlanSearch.reducer_buckets``: where DDP's shape hides the communication in the model, the plan names
+#: torch's reducer); () keeps the plan on commsched's pieces.
+PLAN_REDUCER_BUCKETS: tuple[int, ...] = REDUCER_BUCKETS
 
 tuner_log = logging.getLogger("commsched.tuner")
 
@@ -339,6 +343,15 @@ def _check_tuner_importable() -> None:
     if importlib.util.find_spec("optuna") is None:
         raise ValueError("ordering='auto' tunes with Optuna, which is not installed: pip install optuna==5.0.0 "
                          "(or pip install 'commsched[tuner]'), or choose an ordering (ordering='dynamic')")
+
+
+def _plan_engine(source: Any) -> Optional[str]:
+    """The ``engine`` a plan (a :class:`Plan` or its JSON's path) names, or None where it cannot be read here:
+    the plan's own errors are reported later, by every rank together (:meth:`DistributedOptimizer._start_plan`)."""
+    try:
+        return (source if isinstance(source, Plan) else Plan.from_json(str(source))).engine
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -502,6 +515,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         # ordering="auto", or "planned" without a plan: start as "dynamic", switch at agreed step boundaries
         self._requested = config
         self._adaptive = adaptive
+        # a plan that names DDP's engine (Plan.engine): its pieces until rank 0 switches every rank to torch's
+        # reducer at an agreed step boundary (or keeps them, saying why the reducer cannot run here)
+        self._engine_switch = (config.ordering == "planned" and config.plan is not None and model is not None
+                               and backend == "torch" and _plan_engine(config.plan) == "reducer")
         self._topology = _load_topology(topology)
         if self._adaptive:
             if config.ordering == "auto":
@@ -572,7 +589,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             average_in_engine(self._predivide)
         self._fusions: list[_Fusion] = []
         self.plan: Optional[Plan] = None
-        self._engine = _Reusable(self._backend) if self._adaptive else self._backend
+        self._engine = _Reusable(self._backend) if self._adaptive or self._engine_switch else self._backend
         self._epoch = 0  # schedulers made so far, minus one: each has its own key prefix
         self._sched_base_step = 0  # the optimizer step at which the current scheduler started
         self._retired: list[dict[str, Any]] = []  # stats of the schedulers replaced at switches
@@ -581,7 +598,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._auto_plans: dict[str, dict] = {}  # rank 0 of auto: digest -> the plan of each planned start
         self._auto_notes: list[str] = []  # rank 0 of auto: what the cost model recommended, and why
         self._pending_decision: Optional[int] = None  # step k whose decision applies from k+2
-        self._next_decision: Optional[int] = ADAPT_RECORD_STEPS - 1 if self._adaptive else None
+        # auto and a plan made at runtime decide after the recorded steps; a plan naming the reducer as the first
+        # step (which learns the order of first use and whether every parameter gets a gradient) ends
+        self._next_decision: Optional[int] = (ADAPT_RECORD_STEPS - 1 if self._adaptive else
+                                              0 if self._engine_switch else None)
         self._last_step_end: Optional[float] = None
         # priority="slack": rank 0 (which alone decides dynamic's order) re-ranks after the recorded steps
         self._slack: dict[str, Any] = {"at_step": ADAPT_RECORD_STEPS} if config.priority == "slack" else {}
@@ -632,6 +652,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             else:  # an engine that negotiates order (Horovod): its own object all-gather
                 gather = self._backend.all_gather_object
         plan = agree_on_plan(found, rank=self.rank, world_size=self.world_size, gather=gather, source=source)
+        if not self._engine_switch:
+            note_engine(plan, f"backend={self.backend!r}" + ("" if self.model is not None else ", no model="))
         self.plan = plan
         self.config = dataclasses.replace(self.config, plan=plan, credit_bytes=plan.credit_bytes)
         self._fuse([(g.name, list(g.tensors)) for g in plan.groups if g.fused])
@@ -681,6 +703,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         """Rank 0, at the end of decision step ``ended``: plan (``planned``) or ask the tuner (``auto``).
         A failure becomes an error every rank raises at the same step."""
         try:
+            if self._engine_switch:
+                return self._engine_decision()
             if self._requested.ordering == "planned":
                 return self._plan_decision()
             if self._tuner is None:
@@ -730,16 +754,42 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
 
     def _plan_decision(self) -> Decision:
         try:
-            from commsched.costmodel.planner import make_plan
+            from commsched.costmodel.planner import PlanSearch, make_plan
         except ImportError as exc:
             raise ImportError(f"ordering='planned' without a plan needs the planner ({exc}): pip install "
                               "highspy==1.16.0, or pass plan=<a plan JSON>") from exc
         started = time.monotonic()
-        result = make_plan(self.profile(), self._topology_or_default(), time_limit_s=PLAN_TIME_LIMIT_S)
+        profile = self.profile()
+        result = make_plan(profile, self._topology_or_default(),
+                           PlanSearch.for_profile(profile, reducer_buckets=PLAN_REDUCER_BUCKETS),
+                           time_limit_s=PLAN_TIME_LIMIT_S)
         reason = (f"planned from the profile of steps 0-{ADAPT_RECORD_STEPS - 1} in {time.monotonic() - started:.1f} "
                   f"s: predicted step {result.step_time_s * 1e3:.2f} ms")
         tuner_log.info("planner: %s; digest %s", reason, result.plan.digest)
-        return Decision(plan=result.plan.to_dict(), reason=reason)
+        settings = None
+        if result.plan.engine == "reducer":
+            settings, why = self._reducer_for(result.plan)
+            reason = f"{reason}; {why}"
+        return Decision(settings, plan=result.plan.to_dict(), reason=reason)
+
+    def _engine_decision(self) -> Decision:
+        """Rank 0, at the end of step 0 of a given plan that names DDP's engine (every rank holds the plan)."""
+        assert self.plan is not None
+        settings, reason = self._reducer_for(self.plan)
+        return Decision(settings, reason=reason)
+
+    def _reducer_for(self, plan: Plan) -> tuple[Optional[Settings], str]:
+        """Rank 0: torch's reducer with the buckets of ``plan``, which names DDP's engine, or (where the reducer
+        cannot run) None, so the plan's own pieces run (DDP's shape); and why."""
+        why_not = self._reducer_unavailable()
+        if why_not is not None:
+            reason = (f"plan {plan.digest[:12]} names DDP's reducer, which cannot run here ({why_not}): its pieces "
+                      "(DDP's shape) run on commsched")
+            tuner_log.warning("%s", reason)
+            return None, reason
+        reason = f"plan {plan.digest[:12]} names DDP's reducer: buckets of {plan.bucket_bytes} B"
+        tuner_log.info("%s", reason)
+        return Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, plan.bucket_bytes, cross_iteration=False), reason
 
     def _make_tuner(self) -> Any:
         """The tuner of ``ordering="auto"``: starts at the cost model's recommendations for the profile
@@ -798,16 +848,20 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             raise CommschedError(f"rank 0 could not choose the settings for ordering="
                                  f"{self._requested.ordering!r} at step {decided}: {decision.error}; pass the "
                                  "settings yourself (ordering='dynamic', or a plan file for 'planned')")
-        if decision.plan is not None:  # a plan runs on the path the user asked for
-            self._rebuild(dataclasses.replace(self.config, ordering="planned", plan=None,
-                                              cross_iteration=self._requested.cross_iteration),
-                          plan=Plan.from_dict(decision.plan))
-        elif decision.settings is not None and decision.settings.ordering == REDUCER:
-            # torch's reducer: commsched's scheduler idles (fifo, synchronous, nothing submitted)
+        if decision.settings is not None and decision.settings.ordering == REDUCER:
+            # torch's reducer: commsched's scheduler idles (fifo, synchronous, nothing submitted). A plan that
+            # names this engine (made now, or given) stays the optimizer's plan.
+            plan = (Plan.from_dict(decision.plan) if decision.plan is not None else
+                    self.plan if self._engine_switch else None)
             self._rebuild(dataclasses.replace(self.config, ordering="fifo", partition_bytes=UNLIMITED_BYTES,
                                               credit_bytes=UNLIMITED_BYTES, fusion_bytes=0, plan=None,
                                               cross_iteration=False),
                           reducer_bytes=decision.settings.fusion_bytes)
+            self.plan = plan
+        elif decision.plan is not None:  # a plan runs on the path the user asked for
+            self._rebuild(dataclasses.replace(self.config, ordering="planned", plan=None,
+                                              cross_iteration=self._requested.cross_iteration),
+                          plan=Plan.from_dict(decision.plan))
         elif decision.settings is not None:
             st = decision.settings
             self._rebuild(dataclasses.replace(self.config, ordering=st.ordering, partition_bytes=st.partition_bytes,
@@ -1547,7 +1601,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                     s.hyper = snapshots[id(s.group)]
             self._sweep = self._lean
         self._steps += 1
-        if self._adaptive:
+        if self._adaptive or self._engine_switch:
             self._at_boundary(self._steps - 1)
         if self._slack and self._steps == self._slack["at_step"]:
             self._rank_by_slack()
@@ -1640,7 +1694,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if self._gpu_waits:
             self._account_gpu_waits(block=True)
         adaptive = {}
-        if self._adaptive:
+        if self._adaptive or self._engine_switch:
             adaptive = {"requested_ordering": self._requested.ordering,
                         "tuner": dict(self._tuner.stats() if self._tuner is not None else {},
                                       role="decides" if self.rank == 0 else "follows",

@@ -90,11 +90,11 @@ def test_the_median_of_rounds_and_a_speedup_paired_within_each_round():
     assert "Per round" in text and "| fast | 0.800 (1.25x, #2) | 1.200 (1.25x, #1)" in text
 
 
-def _planned(steps, rnd, digest, predicted, drift=None):
+def _planned(steps, rnd, digest, predicted, drift=None, engine=None):
     phase = _phase("planned", steps, rnd)
     plan = {"path": "/gone/plan.json", "digest": digest, "predicted": {"step_time_s": predicted}, "groups": 7,
             "pieces": 30, "credit_bytes": 2 << 20, "algorithms": ["ring"], "order": "fixed", "plan_s": 3.0,
-            "plan": {"digest": digest, "pieces": []}, "profile_drift": drift}
+            "plan": {"digest": digest, "pieces": []}, "profile_drift": drift, **(engine or {})}
     phase.ranks[0]["stats"] = {"plan_file": plan}
     return phase
 
@@ -102,8 +102,8 @@ def _planned(steps, rnd, digest, predicted, drift=None):
 def test_each_planned_round_keeps_the_plan_it_ran():
     # Round 2 ran another plan (the solver's time limit) and was slow: the report must show it.
     ddp = [_phase("ddp", [1.0] * 4, r) for r in range(3)]
-    planned = [_planned([0.8] * 4, 0, "a" * 64, 0.79), _planned([1.3] * 4, 1, "b" * 64, 0.95),
-               _planned([0.81] * 4, 2, "a" * 64, 0.79, drift=0.25)]
+    planned = [_planned([0.8] * 4, 0, "a" * 64, 0.79, engine={"engine": "reducer", "bucket_bytes": 1 << 20}),
+               _planned([1.3] * 4, 1, "b" * 64, 0.95), _planned([0.81] * 4, 2, "a" * 64, 0.79, drift=0.25)]
     report = _report([ddp, planned])
     p = report["results"][1]
     assert [x["plan"]["digest"][0] for x in p["rounds"]] == ["a", "b", "a"]
@@ -113,6 +113,9 @@ def test_each_planned_round_keeps_the_plan_it_ran():
     text = markdown(report)
     assert "- planned round 2: plan bbbbbbbbbbbb, predicted 0.950 s, measured 1.300 s; 7 groups, 30 pieces, " \
            "credit 2.00 MiB, ring, fixed order\n" in text
+    assert p["rounds"][0]["plan"]["engine"] == "reducer" and p["rounds"][2]["plan"]["engine"] is None
+    assert "- planned round 1: plan aaaaaaaaaaaa, predicted 0.790 s, measured 0.800 s; 7 groups, 30 pieces, " \
+           "credit 2.00 MiB, ring, fixed order, engine: DDP's reducer, buckets 1 MiB\n" in text
     # a plan made from a cached profile scaled to the run's own baseline says by how much
     assert p["rounds"][2]["plan"]["profile_drift"] == 0.25 and p["rounds"][0]["plan"]["profile_drift"] is None
     assert "- planned round 3: plan aaaaaaaaaaaa, predicted 0.790 s, measured 0.810 s; 7 groups, 30 pieces, " \

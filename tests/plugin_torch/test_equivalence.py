@@ -232,6 +232,27 @@ def test_planned_with_fused_groups_and_per_group_piece_sizes_is_bitwise_on_two_r
 
 
 @pytest.mark.timeout(150)
+def test_a_plan_naming_ddps_engine_runs_torchs_reducer_from_step_2_bitwise_on_two_ranks(ranks):
+    # the same decision on both ranks at the end of step 0; where the reducer cannot run (accumulation), the
+    # plan's own pieces go on, on both ranks, and the record says why
+    items = [{"plan": "fused", "plan_engine": 4096, "optimizer": "sgd_momentum", "steps": 6},
+             {"plan": "fused", "plan_engine": 4096, "optimizer": "adam", "accum": 2, "steps": 4}]
+    results = ranks(2, *scenarios(*items), timeout=130)
+    check_all(results, exact=True)
+    for a, b in zip(results[0], results[1], strict=True):
+        assert a["stats"]["tuner"]["switches"] == b["stats"]["tuner"]["switches"], a["scenario"]
+        assert a["stats"]["engine"] == b["stats"]["engine"]
+    (switch,) = results[0][0]["stats"]["tuner"]["switches"]
+    assert (switch["decided_at"], switch["applies_from"], switch["settings"]["fusion_bytes"]) == (0, 2, 4096)
+    for r in (results[0][0], results[1][0]):
+        assert r["stats"]["engine"] == "torch-reducer" and r["stats"]["reducer"] == {"bucket_bytes": 4096,
+                                                                                     "backwards": 4}
+    (kept,) = results[0][1]["stats"]["tuner"]["switches"]
+    assert kept["settings"] is None and "backward_passes_per_step > 1" in kept["reason"]
+    assert results[0][1]["stats"]["engine"] == "commsched"
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.timeout(240)
 def test_auto_on_two_nodes_runs_the_planners_two_level_plan_first_and_stays_allclose(ranks):
     item = {"ordering": "auto", "nodes": 2, "optimizer": "adam", "fast_tuner": True, "steps": 20}

@@ -186,3 +186,83 @@ def test_a_reducer_setting_describes_itself_and_round_trips():
     assert s.describe() == "torch's reducer (DDP's, buckets 4MiB) synchronous"
     assert Settings.from_dict(s.to_dict()) == s
     assert dataclasses.replace(s, fusion_bytes=1 << 20).describe().startswith("torch's reducer (DDP's, buckets 1MiB")
+
+
+def reducer_plan(model, bucket_bytes=64):
+    """A plan for ``model`` on one rank that names torch's reducer: each gradient its own group and piece."""
+    from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor
+
+    named = list(model.named_parameters())
+    tensors = tuple(PlannedTensor(n, p.numel(), p.element_size(), tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                    for n, p in named)
+    groups = tuple(PlanGroup(n, (n,), 1 << 30) for n, _ in named)
+    pieces = tuple(PlannedPiece(n, 0) for n, _ in reversed(named))
+    return Plan(model=tensors, groups=groups, pieces=pieces, credit_bytes=1 << 30, order="observed",
+                engine="reducer", bucket_bytes=bucket_bytes)
+
+
+def test_a_plan_that_names_ddps_engine_runs_torchs_reducer_from_step_2_and_trains_as_the_reference():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    ref.load_state_dict(model.state_dict())
+    plan = reducer_plan(model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="planned", plan=plan, timeout_s=30))
+    train(opt, model, 1)  # step 0 learns the order of first use and whether every parameter gets a gradient
+    assert opt.stats()["engine"] == "commsched" and opt._tasks_submitted > 0  # rank 0 decided; the plan's pieces
+    train(opt, model, 1, start=1)  # every rank takes the decision at the end of step 1: the reducer from step 2
+    assert opt.stats()["reducer"] == {"bucket_bytes": 64, "backwards": 0}
+    submitted = opt._tasks_submitted
+    train(opt, model, 4, start=2)
+    stats = opt.stats()
+    assert stats["engine"] == "torch-reducer" and stats["reducer"] == {"bucket_bytes": 64, "backwards": 4}
+    assert opt._tasks_submitted == submitted  # commsched's scheduler got nothing from step 2 on
+    assert stats["plan"]["digest"] == plan.digest  # the plan the user gave is still the one that runs
+    (switch,) = stats["tuner"]["switches"]
+    assert switch["applies_from"] == 2 and "names DDP's reducer" in switch["reason"]
+    assert switch["settings"]["ordering"] == REDUCER and switch["settings"]["fusion_bytes"] == 64
+    opt.close()
+    train(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), ref, 6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_where_the_reducer_cannot_run_a_plan_that_names_it_runs_its_own_pieces_and_says_why():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               backward_passes_per_step=2,
+                               config=commsched.SchedulerConfig(ordering="planned", plan=reducer_plan(model),
+                                                                timeout_s=30))
+    for step in range(6):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        if step % 2:
+            opt.step()
+            opt.zero_grad()
+    opt.synchronize()
+    stats = opt.stats()
+    assert stats["engine"] == "commsched" and "reducer" not in stats
+    (switch,) = stats["tuner"]["switches"]
+    assert switch["settings"] is None and "cannot run here (backward_passes_per_step > 1)" in switch["reason"]
+    opt.close()
+
+
+def test_a_plan_made_at_runtime_that_names_ddps_engine_switches_every_rank_to_the_reducer(monkeypatch):
+    # ordering="planned" without a plan: rank 0 plans after the recorded steps; where the planner names DDP's
+    # engine (one rank never does: stand in for it), the same decision carries the plan and the reducer
+    from types import SimpleNamespace
+
+    from commsched.costmodel import planner
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    plan = reducer_plan(model, bucket_bytes=128)
+    monkeypatch.setattr(planner, "make_plan", lambda *a, **k: SimpleNamespace(plan=plan, step_time_s=0.01))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="planned", timeout_s=30))
+    train(opt, model, optimizer_module.ADAPT_RECORD_STEPS + 3)
+    stats = opt.stats()
+    assert stats["engine"] == "torch-reducer" and stats["reducer"]["bucket_bytes"] == 128
+    assert stats["plan"]["digest"] == plan.digest
+    (switch,) = stats["tuner"]["switches"]
+    assert switch["plan"] and "names DDP's reducer: buckets of 128 B" in switch["reason"]
+    opt.close()

@@ -326,6 +326,7 @@ def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False) -> dic
     return {"path": path, "digest": plan.digest, "predicted": dict(plan.predicted),
             "groups": len(plan.groups), "pieces": len(plan.pieces), "credit_bytes": plan.credit_bytes,
             "algorithms": sorted({p.algorithm for p in plan.pieces}), "order": plan.order,
+            "engine": plan.engine, "bucket_bytes": plan.bucket_bytes,
             "profile_s": profiled - started, "plan_s": time.monotonic() - profiled,
             "topology": topology_source, "topology_describe": topology.describe(),
             "tied_split": list(profile.meta.get("tied_split", [])), "profile_drift": drift}
