@@ -83,21 +83,19 @@ def test_the_reducer_reduces_every_gradient_while_commsched_submits_none_and_tra
 def test_the_first_backward_under_the_reducer_already_runs_in_buckets_last_layer_first():
     # auto measures the setting it keeps from the step right after its switch: a first backward in one
     # bucket (DDP's start) would expose that whole step's communication there
-    import torch.distributed as dist
-
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
     opt = sync_opt(model)
     train(opt, model, 2)
     opt._start_reducer(256)
     backwards: list[list[list[tuple[int, ...]]]] = [[], []]
 
-    def count(state, bucket):  # the buckets each backward reduces, in launch order
-        backwards[opt.stats()["reducer"]["backwards"] - 1].append([tuple(p.shape) for p in bucket.parameters()])
-        done = torch.futures.Future()
-        done.set_result(bucket.buffer())
-        return done
+    reduce = opt._reducer._reduce
 
-    dist._register_comm_hook(opt._reducer._reducer, None, count)
+    def count(bucket):  # the buckets each backward reduces, in launch order
+        backwards[opt.stats()["reducer"]["backwards"] - 1].append([tuple(p.shape) for p in bucket.parameters()])
+        return reduce(bucket)
+
+    opt._reducer._reduce = count
     train(opt, model, 2, start=2)
     first, second = backwards
     assert len(first) > 1 and {(2, 16), (2,)} <= set(first[0])  # the last layer's gradients go first
@@ -265,4 +263,31 @@ def test_a_plan_made_at_runtime_that_names_ddps_engine_switches_every_rank_to_th
     assert stats["plan"]["digest"] == plan.digest
     (switch,) = stats["tuner"]["switches"]
     assert switch["plan"] and "names DDP's reducer: buckets of 128 B" in switch["reason"]
+    opt.close()
+
+
+def test_a_failed_all_reduce_under_the_reducer_is_a_commsched_error_at_step_with_no_update_applied():
+    # a rank that died mid-step: gloo fails the bucket's all-reduce; torch would re-wrap an error raised in the
+    # reduction as a RuntimeError inside backward(), so the reducer keeps it and step() raises it, before the
+    # wrapped optimizer runs
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = sync_opt(model)
+    train(opt, model, 2)
+    opt._start_reducer(256)
+
+    def lost(buffer):
+        failed = torch.futures.Future()
+        failed.set_exception(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
+        return failed
+
+    opt._reducer._launch = lost
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()  # ends: the failure is kept, not thrown from autograd's engine
+    with pytest.raises(CommschedError, match="could not all-reduce a bucket.*Connection reset by peer.*no update"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    with pytest.raises(CommschedError, match="could not all-reduce"):
+        model(x)  # and the next forward says so too, rather than run on
+    opt._close_reducer(resume=False)
     opt.close()
