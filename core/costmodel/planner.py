@@ -310,9 +310,9 @@ def _reducer_engine(profile: Profile, topology: Topology, search: PlanSearch, be
     hidden = ddp.exposed_comm_s <= search.min_gain * ddp.step_time_s
     if not hidden or best_s < ddp.step_time_s * (1 - search.min_gain):
         return None
-    groups = make_groups(profile, bucket, max([bucket] + [t.nbytes for t in _tensors_forward(profile)]))
-    total = max(1, sum(t.nbytes for t in _tensors_forward(profile)))
-    plan, _ = greedy_plan(profile, topology, groups, total, "ring", settings.steps)
+    sizes = [t.nbytes for t in _tensors_forward(profile)]
+    groups = make_groups(profile, bucket, max([bucket, *sizes]))  # one piece a group
+    plan, _ = greedy_plan(profile, topology, groups, max(1, sum(sizes)), "ring", settings.steps)  # all in flight
     plan = dataclasses.replace(plan, order="observed", engine="reducer", bucket_bytes=bucket)
     result = simulate(profile, topology, "planned", settings, plan=plan)
     stage = {"stage": "engine: DDP's reducer", "step_time_s": result.step_time_s, "bucket_bytes": bucket,

@@ -345,15 +345,6 @@ def _check_tuner_importable() -> None:
                          "(or pip install 'commsched[tuner]'), or choose an ordering (ordering='dynamic')")
 
 
-def _plan_engine(source: Any) -> Optional[str]:
-    """The ``engine`` a plan (a :class:`Plan` or its JSON's path) names, or None where it cannot be read here:
-    the plan's own errors are reported later, by every rank together (:meth:`DistributedOptimizer._start_plan`)."""
-    try:
-        return (source if isinstance(source, Plan) else Plan.from_json(str(source))).engine
-    except Exception:  # noqa: BLE001 - see the docstring
-        return None
-
-
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``ranges`` (disjoint) with adjacent ones joined, in order: one update call for the pieces that
     landed together (in the engine's order they are mostly consecutive)."""
@@ -515,10 +506,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         # ordering="auto", or "planned" without a plan: start as "dynamic", switch at agreed step boundaries
         self._requested = config
         self._adaptive = adaptive
-        # a plan that names DDP's engine (Plan.engine): its pieces until rank 0 switches every rank to torch's
-        # reducer at an agreed step boundary (or keeps them, saying why the reducer cannot run here)
-        self._engine_switch = (config.ordering == "planned" and config.plan is not None and model is not None
-                               and backend == "torch" and _plan_engine(config.plan) == "reducer")
+        # a given plan that names DDP's engine (Plan.engine; known once every rank agreed on the plan): its pieces
+        # until rank 0 switches every rank to torch's reducer at an agreed boundary (or keeps them, saying why)
+        self._engine_switch = False
         self._topology = _load_topology(topology)
         if self._adaptive:
             if config.ordering == "auto":
@@ -589,7 +579,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             average_in_engine(self._predivide)
         self._fusions: list[_Fusion] = []
         self.plan: Optional[Plan] = None
-        self._engine = _Reusable(self._backend) if self._adaptive or self._engine_switch else self._backend
+        self._engine = _Reusable(self._backend) if self._adaptive else self._backend
         self._epoch = 0  # schedulers made so far, minus one: each has its own key prefix
         self._sched_base_step = 0  # the optimizer step at which the current scheduler started
         self._retired: list[dict[str, Any]] = []  # stats of the schedulers replaced at switches
@@ -600,8 +590,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._pending_decision: Optional[int] = None  # step k whose decision applies from k+2
         # auto and a plan made at runtime decide after the recorded steps; a plan naming the reducer as the first
         # step (which learns the order of first use and whether every parameter gets a gradient) ends
-        self._next_decision: Optional[int] = (ADAPT_RECORD_STEPS - 1 if self._adaptive else
-                                              0 if self._engine_switch else None)
+        self._next_decision: Optional[int] = ADAPT_RECORD_STEPS - 1 if self._adaptive else None
         self._last_step_end: Optional[float] = None
         # priority="slack": rank 0 (which alone decides dynamic's order) re-ranks after the recorded steps
         self._slack: dict[str, Any] = {"at_step": ADAPT_RECORD_STEPS} if config.priority == "slack" else {}
@@ -615,6 +604,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             prefix = self._prefix = f"commsched/{_group_key(process_group)}opt{next(_instances)}"
             if planned:
                 self._start_plan(store, prefix)
+                assert self.plan is not None
+                if self.plan.engine == "reducer" and self.model is not None and backend == "torch":
+                    self._engine_switch = True
+                    self._engine = _Reusable(self._backend)  # the switch closes this scheduler, not the engine
+                    self._next_decision = 0  # after the step that learns whether every parameter gets a gradient
+                else:
+                    note_engine(self.plan, f"backend={backend!r}" + ("" if self.model is not None else ", no model="))
             self._switch = AgreedSwitch(self.rank, self.world_size, store=store, prefix=prefix,
                                         timeout_s=self.config.timeout_s,
                                         broadcast=lambda obj: self._backend.broadcast_object(obj, 0))
@@ -652,8 +648,6 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             else:  # an engine that negotiates order (Horovod): its own object all-gather
                 gather = self._backend.all_gather_object
         plan = agree_on_plan(found, rank=self.rank, world_size=self.world_size, gather=gather, source=source)
-        if not self._engine_switch:
-            note_engine(plan, f"backend={self.backend!r}" + ("" if self.model is not None else ", no model="))
         self.plan = plan
         self.config = dataclasses.replace(self.config, plan=plan, credit_bytes=plan.credit_bytes)
         self._fuse([(g.name, list(g.tensors)) for g in plan.groups if g.fused])
