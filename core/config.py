@@ -32,6 +32,7 @@ _DEFAULTS: dict[str, Any] = {
     "priority": "layer",
     "slack_alpha": 1.0,
     "decide_ahead": True,
+    "ready_reports": True,
 }
 
 _SIZE_UNITS = {
@@ -186,6 +187,7 @@ _PARSERS = {
     "priority": _parse_priority,
     "slack_alpha": _parse_alpha,
     "decide_ahead": _parse_bool,
+    "ready_reports": _parse_bool,
 }
 
 
@@ -227,6 +229,13 @@ class SchedulerConfig:
             as soon as their own credit frees, without waiting for a message per piece.
             The order is exactly the one decided piece by piece. Default True; False
             publishes each piece when rank 0 starts it (docs/ARCHITECTURE.md).
+        ready_reports: with ``ordering="dynamic"`` on more than one rank, the other ranks report
+            each gradient to rank 0 as it becomes ready there (one store message per batch), and
+            rank 0 starts a piece once it is ready on every rank: a collective moves only when
+            its last rank issues it, so a piece rank 0 starts while another rank still computes
+            that gradient holds the credit while the link idles. When nothing is in flight
+            rank 0 starts its most urgent piece anyway. Default True; False decides on rank 0's
+            readiness alone (docs/tuning.md, "Pieces ready on every rank").
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and
@@ -244,6 +253,7 @@ class SchedulerConfig:
     priority: str = _UNSET
     slack_alpha: float = _UNSET
     decide_ahead: bool = _UNSET
+    ready_reports: bool = _UNSET
 
     def __post_init__(self) -> None:
         env = None

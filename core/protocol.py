@@ -18,6 +18,15 @@ A        ``A\\t<message>``            a rank failed (also in the ``<prefix>/abor
 C        ``C``                      the follower's own ``close()`` wakes its reader
 =======  =========================  ==============================================
 
+The other way, with ``SchedulerConfig.ready_reports`` under ``dynamic``: every follower pushes to one
+queue that rank 0 pops (``<prefix>/ready``) a line per gradient as it becomes ready there, and rank 0
+starts a piece once its gradient is ready on every rank (:class:`commsched.policy.LeaderPolicy`):
+
+=======  ===============================  ========================================
+R        ``R\\t<step>\\t<rank>\\t<task>``  gradient ``<task>`` of ``<step>`` is ready on ``<rank>``
+C        ``C``                            rank 0's own ``close()`` wakes its report reader
+=======  ===============================  ========================================
+
 Names never hold tabs, newlines or ``\\x1f`` (``Scheduler.submit`` refuses them).
 """
 
@@ -30,8 +39,8 @@ from typing import Callable, Optional, Union
 
 from commsched.store import Store
 
-__all__ = ["Abort", "Channel", "Close", "Decision", "EndOfStep", "Lost", "Message", "Plan", "decode", "encode",
-           "publish_loop", "read_loop"]
+__all__ = ["Abort", "Channel", "Close", "Decision", "EndOfStep", "Lost", "Message", "Plan", "Ready", "decode",
+           "encode", "publish_loop", "read_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,15 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Ready:
+    """A follower's report to rank 0: gradient ``task`` of ``step`` is ready on ``rank``."""
+
+    step: int
+    rank: int
+    task: str
+
+
+@dataclass(frozen=True)
 class Abort:
     """Another rank failed; ``message`` says why."""
 
@@ -78,7 +96,7 @@ class Lost:
     error: BaseException
 
 
-Message = Union[Decision, EndOfStep, Plan, Abort, Close, Lost]
+Message = Union[Decision, EndOfStep, Plan, Ready, Abort, Close, Lost]
 
 
 def encode(messages: list[Message]) -> bytes:
@@ -91,6 +109,8 @@ def encode(messages: list[Message]) -> bytes:
             lines.append(f"E\t{m.step}")
         elif isinstance(m, Plan):
             lines.append("L\t0\t" + "\x1f".join(m.pieces))
+        elif isinstance(m, Ready):
+            lines.append(f"R\t{m.step}\t{m.rank}\t{m.task}")
         elif isinstance(m, Abort):
             lines.append(f"A\t{m.message}")
         elif isinstance(m, Close):
@@ -116,13 +136,17 @@ def decode(raw: bytes) -> list[Message]:
             out.append(EndOfStep(int(step)))
         elif kind == "L":
             out.append(Plan(tuple(rest.split("\x1f")) if rest else ()))
+        elif kind == "R":
+            rank, _, task = rest.partition("\t")
+            out.append(Ready(int(step), int(rank), task))
         else:
             raise ValueError(f"unknown order-agreement message {line!r}")
     return out
 
 
 class Channel:
-    """Rank 0's decisions to the followers, and every rank's abort notice, over a :class:`Store`."""
+    """Rank 0's decisions to the followers, the followers' ready reports to rank 0, and every rank's
+    abort notice, over a :class:`Store`."""
 
     def __init__(self, store: Store, prefix: str, rank: int, world_size: int) -> None:
         self.store = store
@@ -143,10 +167,19 @@ class Channel:
         """A follower: the next batch from its queue (blocking up to ``timeout_s``; ``TimeoutError``)."""
         return decode(self.store.pop(self._key(f"q{self.rank}"), timeout_s))
 
+    def report(self, messages: list[Message]) -> None:
+        """A follower: push one batch of ready reports to rank 0's queue (one queue for every follower)."""
+        self.store.push(self._key("ready"), encode(messages))
+
+    def receive_reports(self, timeout_s: float) -> list[Message]:
+        """Rank 0: the next batch of the followers' ready reports (blocking up to ``timeout_s``; ``TimeoutError``)."""
+        return decode(self.store.pop(self._key("ready"), timeout_s))
+
     def wake(self) -> None:
-        """A follower's ``close()``: wake its own reader, blocked in :meth:`receive` (best effort)."""
+        """This rank's ``close()``: wake its own reader, blocked in :meth:`receive` (a follower) or
+        :meth:`receive_reports` (rank 0), best effort."""
         try:
-            self.store.push(self._key(f"q{self.rank}"), encode([Close()]))
+            self.store.push(self._key("ready" if self.rank == 0 else f"q{self.rank}"), encode([Close()]))
         except Exception as exc:  # the store is gone: the reader has stopped already
             log.debug("could not wake the order reader: %r", exc)
 
@@ -173,7 +206,7 @@ class Channel:
         try:
             if add(self._key("closed"), 1) < self.world_size:
                 return
-            for what in ["abort", *(f"q{rank}" for rank in range(1, self.world_size)), "closed"]:
+            for what in ["abort", "ready", *(f"q{rank}" for rank in range(1, self.world_size)), "closed"]:
                 self.store.delete(self._key(what))
         except Exception as exc:  # the store's host may have exited first
             log.debug("could not clean the channel's keys: %r", exc)
@@ -192,23 +225,35 @@ class Channel:
 
 
 def publish_loop(channel: Channel, take: Callable[[], Optional[list[Message]]]) -> None:
-    """Rank 0's ``publish`` thread: push every batch ``take()`` returns (it blocks for the
-    next one) until it returns None (closing)."""
+    """The ``publish`` thread: push every batch ``take()`` returns (it blocks for the next one)
+    until it returns None (closing): rank 0's decisions to the followers, a follower's ready
+    reports to rank 0."""
+    failed = False
     while True:
         batch = take()
         if batch is None:
             return
-        channel.publish(batch)
+        if channel.rank == 0:
+            channel.publish(batch)
+            continue
+        try:
+            channel.report(batch)
+        except Exception as exc:  # rank 0 (the store's host) is gone: the order thread says so (Lost);
+            if not failed:  # the batch is dropped (rank 0 then starts such pieces when its link is idle)
+                log.debug("could not report ready gradients to rank 0: %r", exc)
+            failed = True
 
 
 def read_loop(channel: Channel, timeout_s: float, reading: Callable[[], bool],
               deliver: Callable[[list[Message]], None], aborted: Callable[[str], None]) -> None:
-    """A follower's ``order`` thread: hand each batch from rank 0 to ``deliver`` while
-    ``reading()``; stop at this rank's own close marker, at another rank's abort
-    (``aborted(message)``), or when the store goes away (delivers :class:`Lost`)."""
+    """The ``order`` thread: hand each batch to ``deliver`` while ``reading()``: a follower's
+    decisions from rank 0, rank 0's ready reports from the followers. Stop at this rank's own
+    close marker, at another rank's abort (``aborted(message)``), or when the store goes away
+    (delivers :class:`Lost`)."""
+    receive = channel.receive if channel.rank != 0 else channel.receive_reports
     while reading():
         try:
-            messages = channel.receive(timeout_s)
+            messages = receive(timeout_s)
         except TimeoutError:
             continue  # idle (evaluation, say); the user's waits have their own timeouts
         except Exception as exc:  # the store went away (process group destroyed, rank 0 gone)

@@ -119,9 +119,12 @@ class Scheduler(Closeable):
         self._threads: list[threading.Thread] = []
         self._spawn("dispatch", self._dispatch_loop)
         self._spawn("complete", self._complete_loop)
-        if policy.publishes:
+        # rank 0 publishes decisions and (ready_reports) reads the followers' reports; a follower reads
+        # decisions and publishes its reports
+        if policy.publishes or policy.reports_ready:
             self._spawn("publish", lambda: publish_loop(self._channel, self._next_outbox))
-        if policy.reads_decisions:
+        self._reads = bool(policy.reads_decisions or policy.reads_reports)
+        if self._reads:
             self._spawn("order", lambda: read_loop(self._channel, self.config.timeout_s, self._reading,
                                                    self._deliver, lambda m: self._fail(failures.remote_abort(m))))
         close_at_exit(self, min(self.config.timeout_s, 10.0))
@@ -292,7 +295,9 @@ class Scheduler(Closeable):
         launches (``launch``) and of the completion thread in ``on_done`` (the plugin's averaging).
         Rank 0 under ``dynamic``/``static``: ``published_batches`` (messages pushed to the followers,
         in how many batches) and ``decided_ahead`` (pieces published before they started,
-        ``SchedulerConfig.decide_ahead``)."""
+        ``SchedulerConfig.decide_ahead``); with ``ready_reports`` under ``dynamic``, ``held_for_reports``
+        (pieces ready here that waited for a follower's report) and ``started_before_reports`` (of those,
+        started on an idle link before every report came)."""
         with self._lock:
             out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
@@ -301,6 +306,9 @@ class Scheduler(Closeable):
                 deciding = getattr(self._state.policy, "inner", self._state.policy)  # planned wraps the leader
                 out.update(published_batches=self._published_batches,
                            decided_ahead=int(getattr(deciding, "ahead_total", 0)))
+                if getattr(deciding, "followers", 0):  # ready_reports: pieces that waited for a follower
+                    out.update(held_for_reports=int(deciding.held_total),
+                               started_before_reports=int(deciding.forced_total))
             plan = getattr(self._state.policy, "plan", None)
             if plan is not None and hasattr(plan, "digest"):  # planned: the plan's credit, piece sizes, digest
                 sizes = sorted({g.partition_bytes for g in plan.groups})
@@ -324,7 +332,7 @@ class Scheduler(Closeable):
         with self._lock:
             self._closing = True
             self._wake_all()
-        if self._state.policy.reads_decisions and self._channel is not None:
+        if self._reads and self._channel is not None:
             self._channel.wake()
         join_threads(self._threads + self._state.failed.threads(), timeout_s=max(5.0, 4 * _POLL_S))
         if self._channel is not None:
@@ -354,6 +362,8 @@ class Scheduler(Closeable):
     def _wake_for_new_work(self) -> None:
         if self._state.completed:  # a zero-size tensor is done at once
             self._complete_cv.notify()
+        if self._state.outbox:  # a follower's ready report (ready_reports): rank 0 decides on it
+            self._publish_cv.notify()
         self._poke_dispatch()
 
     def _poke_dispatch(self) -> None:

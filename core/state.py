@@ -17,7 +17,7 @@ from commsched import failures
 from commsched.errors import CommschedError
 from commsched.partition import TensorOps, piece_bounds
 from commsched.policy import DispatchPolicy, Unstarted
-from commsched.protocol import Channel, Message
+from commsched.protocol import Channel, Message, Ready
 from commsched.stats import Counters
 from commsched.task import Piece, Task
 from commsched.timeline import now_us
@@ -49,7 +49,7 @@ class SchedulerState:
         self.in_flight_bytes = 0
         self.completed: collections.deque[Task] = collections.deque()  # reduced, on_done not run yet
         self.failing: list[Task] = []  # futures to fail (on the completion thread)
-        self.outbox: list[Message] = []  # rank 0's decisions not yet published
+        self.outbox: list[Message] = []  # rank 0's decisions (a follower's ready reports) not yet published
         self.step_names: dict[int, set[str]] = collections.defaultdict(set)
         self.failed = failures.FailedState(channel, rank, policy.publishes or policy.reads_decisions)
         self.counters = Counters()
@@ -132,6 +132,8 @@ class SchedulerState:
             self.completed.append(task)
         for piece in pieces:
             self.policy.add(piece)
+        if self.policy.reports_ready:  # a follower tells rank 0 (the publish thread sends the outbox)
+            self.outbox.append(Ready(task.step, self.rank, task.name))
 
     def arrived(self, task: Task, tensor: Any, bounds: Bounds) -> None:
         """A reserved task's data is ready: attach it (and, fifo, the tickets it unblocked)."""

@@ -48,6 +48,9 @@ class StrategySpec:
     #: ``<commsched strategy>+noahead``: ``SchedulerConfig(decide_ahead=False)``, rank 0 publishes each
     #: decision as the piece starts, never an ended step's rest at once: what deciding ahead gains, side by side
     decide_ahead: bool = True
+    #: ``<commsched strategy>+noreports``: ``SchedulerConfig(ready_reports=False)``, rank 0 decides on its own
+    #: readiness, not on every rank's: what the followers' ready reports gain, side by side
+    ready_reports: bool = True
 
     @property
     def is_commsched(self) -> bool:
@@ -91,7 +94,8 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         kinds, fusion = parse_modifiers(name, modifiers, commsched=spec.is_commsched, planned=spec.kind == "planned")
         specs.append(dataclasses.replace(spec, name=name, split_tied="tied" in kinds,
                                          whole_apply="whole" in kinds, fusion_bytes=fusion,
-                                         decide_ahead="noahead" not in kinds))
+                                         decide_ahead="noahead" not in kinds,
+                                         ready_reports="noreports" not in kinds))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
     if len({s.name for s in specs}) != len(specs):
@@ -105,6 +109,7 @@ MODIFIERS = {
     "whole": "+whole (apply gradients whole, not range by range)",
     "fuse": "+fuse=<size> (fuse small gradients up to that size; not on planned, whose plan fixes its groups)",
     "noahead": "+noahead (rank 0 publishes each decision as its piece starts, not an ended step's rest at once)",
+    "noreports": "+noreports (rank 0 decides on its own readiness, without the other ranks' ready reports)",
 }
 
 

@@ -199,3 +199,26 @@ def test_noahead_turns_off_deciding_ahead_in_the_torch_strategy(monkeypatch):
     for spec in specs:
         strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
     assert made == [("dynamic", False), ("auto", False), ("dynamic", True), ("static", False)]
+
+
+def test_noreports_turns_off_the_followers_ready_reports_in_the_torch_strategy(monkeypatch):
+    pytest.importorskip("torch")
+    import commsched.plugins.torch.bench.strategies as strategies
+
+    specs = parse_strategies("dynamic+noreports,dynamic,auto+noreports+noahead")
+    assert [s.ready_reports for s in specs] == [False, True, False]
+    assert [s.decide_ahead for s in specs] == [True, True, False]
+    with pytest.raises(ValueError, match=r"\+noreports"):
+        parse_strategies("ddp:4+noreports")
+    made = []
+
+    class Recorder:
+        def __init__(self, model, make_opt, ordering, partition, credit, timeline, **kw):
+            made.append((ordering, kw["ready_reports"]))
+
+    monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
+    run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20, "world_size": 2, "nodes": 2,
+                "bandwidth": "1gbit"}
+    for spec in specs:
+        strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
+    assert made == [("dynamic", False), ("dynamic", True), ("auto", False)]

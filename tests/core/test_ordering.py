@@ -173,7 +173,8 @@ def test_rank0_publishes_the_rest_of_an_ended_step_in_one_batch_ahead_of_credit(
     in one push; piece by piece, every 2 pieces wait for a round trip through the store."""
     world, store = InProcessWorld(3), CountingStore()
     held = HoldingBackend(world.backend(0))
-    cfg = SchedulerConfig(partition_bytes=8, credit_bytes=16, timeout_s=10, decide_ahead=ahead)
+    cfg = SchedulerConfig(partition_bytes=8, credit_bytes=16, timeout_s=10, decide_ahead=ahead,
+                          ready_reports=False)  # the followers' reports are pushes too (and timing: below)
     scheds = [Scheduler(held if r == 0 else world.backend(r), ArrayOps(), cfg, store=store) for r in range(3)]
     names = [f"g{i}" for i in range(6)]
     tensors = [[doubles(3, r + 1) for _ in names] for r in range(3)]
@@ -203,6 +204,43 @@ def test_rank0_publishes_the_rest_of_an_ended_step_in_one_batch_ahead_of_credit(
         assert stats["decided_ahead"] == 16 and writes <= 2 * 4, (stats, writes)
     else:
         assert stats["decided_ahead"] == 0 and writes > 2 * 8, (stats, writes)
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_rank0_starts_a_piece_ready_on_every_rank_before_a_more_urgent_one_a_follower_lacks(reports):
+    """Rank 0's backward ahead of rank 1's: ``new`` is more urgent but not on rank 1 yet. With the
+    followers' ready reports rank 0 starts ``old#1`` (it can move) first; without, ``new#0``, which holds
+    the credit until rank 1 makes it."""
+    world, store = InProcessWorld(2), InMemoryStore()
+    held = HoldingBackend(world.backend(0))
+    cfg = SchedulerConfig(partition_bytes=8, credit_bytes=8, timeout_s=10, ready_reports=reports)
+    scheds = [Scheduler(held if r == 0 else world.backend(r), ArrayOps(), cfg, store=store) for r in range(2)]
+    old = [doubles(2, r + 1) for r in range(2)]
+    new = [doubles(1, 10 * (r + 1)) for r in range(2)]
+    try:
+        scheds[1].submit("old", old[1], priority=5)
+        policy = scheds[0]._state.policy
+        deadline = time.monotonic() + 5
+        while reports and policy._reports[(0, "old")] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)  # rank 1's report reached rank 0
+        scheds[0].submit("old", old[0], priority=5)  # old#0 starts at once; old#1 waits for credit
+        scheds[0].submit("new", new[0], priority=0)  # more urgent, on rank 0 only
+        held.release()
+        while len(world.issued[0]) < 2 and time.monotonic() < deadline + 5:
+            time.sleep(0.005)  # rank 0 chose its second piece before rank 1 makes (and reports) new
+        scheds[1].submit("new", new[1], priority=0)
+        for s in scheds:
+            s.mark_step()
+            s.synchronize()
+        stats = scheds[0].stats()
+    finally:
+        for s in scheds:
+            s.close()
+        world.close()
+    assert world.mismatches == [] and world.issued[1] == world.issued[0]
+    assert world.issued[0] == (["old#0", "old#1", "new#0"] if reports else ["old#0", "new#0", "old#1"])
+    assert list(old[0]) == list(old[1]) == [3.0, 3.0] and list(new[0]) == list(new[1]) == [30.0]
+    assert stats.get("held_for_reports", 0) == (1 if reports else 0)
 
 
 def test_static_follower_starts_the_plan_that_arrives_after_it_submitted_everything():

@@ -15,7 +15,7 @@ from commsched.errors import CommschedError
 from commsched.policy import (FifoPolicy, FollowerPolicy, ImmediatePolicy, LeaderPolicy, PriorityPolicy, Recorded,
                               StaticFollower, StaticLeader, Unstarted, agrees_on_order, edd_replay_order, fits,
                               make_policy)
-from commsched.protocol import Abort, Close, Decision, EndOfStep, Lost, Plan, decode, encode
+from commsched.protocol import Abort, Close, Decision, EndOfStep, Lost, Plan, Ready, decode, encode
 
 
 @dataclass(eq=False)
@@ -144,6 +144,61 @@ def test_make_policy_gives_rank0_of_dynamic_and_static_the_configs_decide_ahead(
     for ordering in ("dynamic", "static"):
         assert make_policy(SchedulerConfig(ordering=ordering), 0, 2, False).ahead is True
         assert make_policy(SchedulerConfig(ordering=ordering, decide_ahead=False), 0, 2, False).ahead is False
+
+
+def test_with_ready_reports_the_leader_starts_what_is_ready_on_every_rank_first():
+    """Balanced's trace: rank 0's backward ran ahead of rank 1's, so the more urgent layer rank 0 had
+    just made was not ready on rank 1 yet; started first, it held the credit while the link idled."""
+    u, leader = Unstarted(), LeaderPolicy(credit_bytes=8, followers=1)
+    assert leader.reads_reports
+    older, newer = T("l6", priority=6, seq=0), T("l5", priority=5, seq=1)
+    ready(leader, u, P(older, 0, 4), P(older, 1, 4), P(older, 2, 4))
+    leader.receive([Ready(0, 1, "l6")])  # rank 1 made l6
+    ready(leader, u, P(newer, 0, 4), P(newer, 1, 4))  # rank 0 made l5 (more urgent); rank 1 has not yet
+    assert drain(leader, u, step=0, in_flight=4) == ["l6#0", "l6#1", "l6#2"]  # not l5: it cannot move yet
+    leader.receive([Ready(0, 1, "l5")])
+    assert drain(leader, u, step=0, in_flight=4) == ["l5#0", "l5#1"]
+    assert leader.held_total == 5 and leader.forced_total == 0  # l6 too, until its report came
+
+
+def test_with_ready_reports_an_idle_link_starts_the_most_urgent_local_piece_and_reports_may_come_first():
+    u, leader = Unstarted(), LeaderPolicy(credit_bytes=8, followers=2)
+    a, b = T("a", priority=1, seq=0), T("b", priority=0, seq=1)
+    leader.receive([Ready(0, 1, "b"), Ready(0, 2, "b")])  # a follower may be ahead of rank 0
+    ready(leader, u, P(a, 0, 4), P(a, 1, 4))
+    leader.receive([Ready(0, 1, "a")])  # one follower of two
+    assert leader.next(u, 0, 4) is None  # something in flight: a waits for rank 2
+    first = leader.next(u, 0, 0)  # nothing in flight and nothing ready everywhere: never wait on a report
+    assert first.name == "a#0" and leader.forced_total == 1
+    u.started(first)
+    ready(leader, u, P(b, 0, 4))  # reported by both already: queued at once, ahead of a#1
+    assert drain(leader, u, step=0, in_flight=4) == ["b#0"]
+    assert leader.queued_keys() == [] and leader.held_keys() == [(0, 1, 0, 1)]  # a#1, still held
+    leader.receive([Lost(ConnectionError("store gone"))])  # no more reports: decide on this rank alone
+    assert not leader.reads_reports and leader.reports_lost is not None
+    assert drain(leader, u, step=0, in_flight=4) == ["a#1"]
+
+
+def test_with_ready_reports_a_step_is_decided_ahead_only_once_every_rank_has_it():
+    u, leader = Unstarted(), LeaderPolicy(credit_bytes=4, ahead=True, followers=1)
+    a, b = T("a", priority=1, seq=0), T("b", priority=0, seq=1)
+    ready(leader, u, P(a, 0, 4), P(b, 0, 4))
+    leader.receive([Ready(0, 1, "a")])
+    assert leader.steps_over(u, step=1) == []  # b (more urgent) is not on rank 1: a is not fixed ahead of it
+    leader.receive([Ready(0, 1, "b")])
+    assert leader.steps_over(u, step=1) == [Decision(0, "b#0"), Decision(0, "a#0")]
+    leader.step_ended(3, set())
+    assert not leader._reports  # the reports of steps every rank ended are dropped
+
+
+def test_make_policy_gives_dynamic_ready_reports_unless_the_config_turns_them_off():
+    leader = make_policy(SchedulerConfig(ordering="dynamic"), 0, 3, False)
+    follower = make_policy(SchedulerConfig(ordering="dynamic"), 2, 3, False)
+    assert leader.followers == 2 and leader.reads_reports and follower.reports_ready
+    off = SchedulerConfig(ordering="dynamic", ready_reports=False)
+    assert not make_policy(off, 0, 3, False).reads_reports and not make_policy(off, 1, 3, False).reports_ready
+    static = make_policy(SchedulerConfig(ordering="static"), 0, 2, False)  # static replays step 0's order
+    assert not static.reads_reports and not make_policy(SchedulerConfig(ordering="static"), 1, 2, False).reports_ready
 
 
 def test_follower_issues_rank0s_order_and_names_a_gradient_it_lacks():
@@ -295,6 +350,7 @@ def test_static_follower_refuses_a_queued_tensor_the_plan_has_no_place_for():
 @pytest.mark.parametrize("batch", [
     [Decision(3, "layer.weight#0"), EndOfStep(3)], [Plan(("a#0", "b#1"))], [Plan(())],
     [Abort("rank 2: boom\nwith a second line")], [Close()],
+    [Ready(4, 1, "layer.weight"), Ready(4, 2, "fused/0.bias+1.bias")],
 ])
 def test_messages_survive_encode_and_decode(batch):
     assert decode(encode(batch)) == batch

@@ -168,7 +168,7 @@ class CommschedStrategy(Strategy):
                  plan: str | None = None, hierarchical: tuple[int, int] | None = None,
                  topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
                  split_tied: bool = False, fusion_bytes: int | None = None, decide_ahead: bool = True,
-                 reducer_bytes: int | None = None) -> None:
+                 reducer_bytes: int | None = None, ready_reports: bool = True) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -183,7 +183,7 @@ class CommschedStrategy(Strategy):
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
             cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority,
-            decide_ahead=decide_ahead, **fusion,
+            decide_ahead=decide_ahead, ready_reports=ready_reports, **fusion,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config, topology=topology, split_tied_embeddings=split_tied)
@@ -240,12 +240,14 @@ class PlannedStrategy(CommschedStrategy):
     """
 
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
-                 timeline: str | None, split_tied: bool = False, decide_ahead: bool = True) -> None:
+                 timeline: str | None, split_tied: bool = False, decide_ahead: bool = True,
+                 ready_reports: bool = True) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
         self.plan_info = _shared_plan(run_spec, rank, path, split_tied)
         self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
-                         timeline, plan=path, split_tied=split_tied, decide_ahead=decide_ahead)
+                         timeline, plan=path, split_tied=split_tied, decide_ahead=decide_ahead,
+                         ready_reports=ready_reports)
 
     def stats(self) -> dict[str, Any]:
         info = dict(self.plan_info)
@@ -397,9 +399,10 @@ def make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
 def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
                    run_spec: dict, rank: int, timeline: str | None) -> Strategy:
     # every commsched strategy's modifiers: +tied (split tied embeddings), +fuse=<size> (its own fusion
-    # threshold; not on planned, whose plan fixes its groups) and +noahead (rank 0 publishes each decision
-    # as its piece starts)
-    mods = {"split_tied": spec.split_tied, "fusion_bytes": spec.fusion_bytes, "decide_ahead": spec.decide_ahead}
+    # threshold; not on planned, whose plan fixes its groups), +noahead (rank 0 publishes each decision
+    # as its piece starts) and +noreports (rank 0 decides on its own readiness)
+    mods = {"split_tied": spec.split_tied, "fusion_bytes": spec.fusion_bytes, "decide_ahead": spec.decide_ahead,
+            "ready_reports": spec.ready_reports}
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
     if spec.kind == "allreduce":
@@ -408,7 +411,7 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return HorovodStrategy(model, make_opt, init_horovod(run_spec, rank))
     if spec.kind == "planned":
         return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=spec.split_tied,
-                               decide_ahead=spec.decide_ahead)
+                               decide_ahead=spec.decide_ahead, ready_reports=spec.ready_reports)
     if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 
