@@ -20,7 +20,8 @@ the store on other steps and no rank waits on a decision that will not come.
 The tuner (:class:`Tuner`)
 --------------------------
 Rank 0 only. A *sample* is one setting run for ``settle`` steps (not scored: the switch
-itself) plus ``sample_steps`` scored steps; its score is the median step period, its noise
+itself) plus ``sample_steps`` scored steps; its score is the median step period (the periods
+of several samples of one setting, pooled, score by their interquartile mean, :func:`location`), its noise
 the spread of those periods (:func:`spread`: half the inter-quartile range at 4 periods, shrinking
 as sqrt(4 / n) for more pooled periods of one setting; at least 0.5 % of the median).
 The first samples are the start points (the cost model's recommendations when there are any,
@@ -239,6 +240,19 @@ class OptunaSampler:
             params = {k: v for k, v in self._space.nearest(settings).to_dict().items() if k in self._dists}
             self._study.add_trial(self._optuna.trial.create_trial(params=params, distributions=self._dists,
                                                                   value=score))
+
+
+def location(periods: list[float]) -> float:
+    """A setting's score from its step periods: their interquartile mean (the mean of the middle half, a
+    quarter dropped at each end), which for one sample of 4 periods is its median. Pooled periods of a
+    setting whose steps alternate long and short (the cross-iteration path on balanced, 2026-12-06:
+    one setting's 4-step samples at 0.785-0.944 s) have a median that falls anywhere in the gap between
+    the two clusters, depending on their extremes; the middle half's mean follows the throughput,
+    while a slow step now and then still falls in the dropped quarters."""
+    ordered = sorted(periods)
+    cut = len(ordered) // 4
+    middle = ordered[cut:len(ordered) - cut] if len(ordered) >= 4 else ordered
+    return statistics.median(middle) if len(ordered) < 4 else sum(middle) / len(middle)
 
 
 def spread(periods: list[float]) -> float:
@@ -518,7 +532,7 @@ class Tuner:
         if cur is None or len(cur.periods) < self.sample_steps:  # cannot happen when driven as documented
             missing = 0 if cur is None else self.sample_steps - len(cur.periods)
             return self._log(step, Decision(None, step + max(1, missing), "sample not complete yet"))
-        score, noise = statistics.median(cur.periods), spread(cur.periods)
+        score, noise = location(cur.periods), spread(cur.periods)
         self.samples += 1
         record = {"step": step, "settings": cur.settings.to_dict(), "median_s": score, "spread_s": noise,
                   "periods_s": list(cur.periods), "confirm": cur.confirm, "recheck": cur.recheck}
@@ -532,8 +546,8 @@ class Tuner:
             winner, won = self._recheck
             self._recheck = None
             pooled = self._incumbent_periods + cur.periods
-            inc_score, inc_spread = statistics.median(pooled), spread(pooled)
-            win_score, win_spread = statistics.median(won), spread(won)
+            inc_score, inc_spread = location(pooled), spread(pooled)
+            win_score, win_spread = location(won), spread(won)
             if win_score < inc_score - max(win_spread, inc_spread):
                 self._replace_incumbent(winner, won)
                 record["verdict"] = "incumbent re-measured: replaced"
@@ -623,7 +637,7 @@ class Tuner:
     # ----------------------------------------------------------------- internals
     def _replace_incumbent(self, settings: Settings, periods: list[float]) -> None:
         self.incumbent, self._incumbent_periods = settings, list(periods)
-        self.incumbent_score, self.incumbent_spread = statistics.median(periods), spread(periods)
+        self.incumbent_score, self.incumbent_spread = location(periods), spread(periods)
 
     def _start_race(self, step: int, why: str) -> Decision:
         """The search stopped (``why``): race the incumbent against the runners-up, the other settings of
@@ -633,7 +647,7 @@ class Tuner:
         ...: a steady drift of the machine favours none). Without a runner-up that close, the incumbent
         alone is measured afresh: the score the drift checks compare with."""
         inc = self.incumbent
-        others = {s: statistics.median(p) for s, p in self._by_setting.items() if s != inc and p}
+        others = {s: location(p) for s, p in self._by_setting.items() if s != inc and p}
         limit = self.incumbent_score * (1 + self.race_margin)
         runners = [s for s in sorted(others, key=others.get) if others[s] <= limit][: self.race_width - 1]
         if not runners:
@@ -663,7 +677,7 @@ class Tuner:
             return self._next_sample(step, f"race: {cur.settings.describe()} median {record['median_s'] * 1e3:.2f} "
                                            "ms", race=nxt)
         # the settings still in the race: an extension's block leaves out all but the two fastest
-        medians = {s: statistics.median(p) for s, p in race.periods.items() if s in race.block or not race.block}
+        medians = {s: location(p) for s, p in race.periods.items() if s in race.block or not race.block}
         if self.race_extend and race.block:
             a, b = sorted(medians, key=lambda s: (medians[s], s != self.incumbent))[:2]
             block = [s for s in race.block if s in (a, b)]

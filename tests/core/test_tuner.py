@@ -17,7 +17,7 @@ import pytest
 from commsched.errors import CommschedTimeout
 from commsched.store import InMemoryStore
 from commsched.tuner import (REDUCER, UNLIMITED_BYTES, AgreedSwitch, Decision, SearchSpace, Settings, Tuner,
-                             spread)
+                             location, spread)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -216,6 +216,19 @@ def test_spread_is_half_the_iqr_at_four_periods_shrinking_with_more_and_has_a_fl
     # the same periods twice: the same IQR, a surer median
     assert spread([1.0, 1.2, 1.4, 1.6] * 4) == pytest.approx(spread([1.0, 1.2, 1.4, 1.6]) / 2, rel=0.15)
     assert spread([1.0, 1.4]) == pytest.approx(0.2)  # fewer than four: half the range
+
+
+def test_a_settings_score_is_its_median_at_four_periods_and_the_middle_halfs_mean_when_pooled():
+    assert location([0.9, 0.3, 0.5, 0.4]) == pytest.approx(0.45)  # one sample: its median
+    assert location([0.2, 0.4]) == pytest.approx(0.3) and location([0.7]) == 0.7
+    # balanced's cross-iteration steps, pooled over samples: 9 long (0.92-0.96 s) and 7 short (0.78-0.82 s).
+    # The median sits in the long cluster; the middle half's mean follows the throughput (mean 0.875)
+    long, short = [0.92, 0.93, 0.94, 0.95, 0.96, 0.92, 0.93, 0.94, 0.95], [0.78, 0.79, 0.80, 0.81, 0.82, 0.80, 0.80]
+    pooled = long + short
+    assert sorted(pooled)[7] > 0.9 and location(pooled) == pytest.approx(sum(sorted(pooled)[4:12]) / 8)
+    assert abs(location(pooled) - sum(pooled) / len(pooled)) < 0.01 < 0.92 - location(pooled)
+    # one slow step in sixteen (a hiccup of the machine) falls in the dropped quarter
+    assert location([0.5] * 15 + [5.0]) == pytest.approx(0.5)
 
 
 def test_a_noisy_incumbent_is_measured_again_rather_than_outliving_faster_settings():
