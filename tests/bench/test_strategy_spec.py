@@ -178,47 +178,28 @@ def test_fuse_sets_a_strategys_own_fusion_threshold_in_the_bench_and_the_simulat
         simulate(prof, topo, "planned+fuse=1MiB")
 
 
-def test_noahead_turns_off_deciding_ahead_in_the_torch_strategy(monkeypatch):
+def test_noahead_and_noreports_turn_off_deciding_ahead_and_the_ready_reports_in_the_torch_strategy(monkeypatch):
     pytest.importorskip("torch")
     import commsched.plugins.torch.bench.strategies as strategies
 
-    specs = parse_strategies("dynamic+noahead,auto+noahead+tied,dynamic,static:1MiB/4MiB+noahead")
-    assert [s.decide_ahead for s in specs] == [False, False, True, False]
+    specs = parse_strategies("dynamic+noahead,auto+noahead+tied,dynamic,static:1MiB/4MiB+noahead,"
+                             "dynamic+noreports,auto+noreports+noahead")
+    assert [s.decide_ahead for s in specs] == [False, False, True, False, True, False]
+    assert [s.ready_reports for s in specs] == [True, True, True, True, False, False]
     assert specs[1].split_tied and specs[1].name == "auto+noahead+tied"
-    with pytest.raises(ValueError, match=r"\+noahead"):
-        parse_strategies("ddp+noahead")
+    for bad in ("ddp+noahead", "ddp:4+noreports"):
+        with pytest.raises(ValueError, match=r"\+noahead.*\+noreports"):
+            parse_strategies(bad)
     made = []
 
     class Recorder:
         def __init__(self, model, make_opt, ordering, partition, credit, timeline, **kw):
-            made.append((ordering, kw["decide_ahead"]))
+            made.append((ordering, kw["decide_ahead"], kw["ready_reports"]))
 
     monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
     run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20, "world_size": 2, "nodes": 2,
                 "bandwidth": "1gbit"}
     for spec in specs:
         strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
-    assert made == [("dynamic", False), ("auto", False), ("dynamic", True), ("static", False)]
-
-
-def test_noreports_turns_off_the_followers_ready_reports_in_the_torch_strategy(monkeypatch):
-    pytest.importorskip("torch")
-    import commsched.plugins.torch.bench.strategies as strategies
-
-    specs = parse_strategies("dynamic+noreports,dynamic,auto+noreports+noahead")
-    assert [s.ready_reports for s in specs] == [False, True, False]
-    assert [s.decide_ahead for s in specs] == [True, True, False]
-    with pytest.raises(ValueError, match=r"\+noreports"):
-        parse_strategies("ddp:4+noreports")
-    made = []
-
-    class Recorder:
-        def __init__(self, model, make_opt, ordering, partition, credit, timeline, **kw):
-            made.append((ordering, kw["ready_reports"]))
-
-    monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
-    run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20, "world_size": 2, "nodes": 2,
-                "bandwidth": "1gbit"}
-    for spec in specs:
-        strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
-    assert made == [("dynamic", False), ("dynamic", True), ("auto", False)]
+    assert made == [("dynamic", False, True), ("auto", False, True), ("dynamic", True, True),
+                    ("static", False, True), ("dynamic", True, False), ("auto", False, False)]
