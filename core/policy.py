@@ -299,8 +299,7 @@ class LeaderPolicy(PriorityPolicy):
         self.followers = int(followers)
         self.reads_reports = self.followers > 0
         self._reports: collections.Counter[tuple[int, str]] = collections.Counter()  # (step, task) -> followers ready
-        self._held: dict[tuple[int, str], list[Any]] = {}  # ready here, not yet on every follower
-        self._held_in_step: collections.Counter[int] = collections.Counter()
+        self._held: dict[tuple[int, str], list[Any]] = {}  # ready here, not yet on every follower (never empty lists)
         self.reports_lost: BaseException | None = None
         self.held_total = 0  # pieces that waited for a follower's report (``Scheduler.stats()``)
         self.forced_total = 0  # of those, started before every report came (the link was idle)
@@ -309,7 +308,6 @@ class LeaderPolicy(PriorityPolicy):
         key = (piece.task.step, piece.task.name)
         if self.reads_reports and self._reports[key] < self.followers:
             self._held.setdefault(key, []).append(piece)
-            self._held_in_step[key[0]] += 1
             self.held_total += 1
             return
         super().add(piece)
@@ -328,10 +326,7 @@ class LeaderPolicy(PriorityPolicy):
 
     def _release(self, key: tuple[int, str]) -> None:
         for piece in self._held.pop(key, ()):
-            self._held_in_step[key[0]] -= 1
             super().add(piece)
-        if key[0] in self._held_in_step and self._held_in_step[key[0]] <= 0:
-            del self._held_in_step[key[0]]
 
     def next(self, unstarted: Unstarted, step: int, in_flight: int) -> Any:
         if self._decided:  # more urgent than anything in the heap (an earlier step), in order
@@ -345,9 +340,6 @@ class LeaderPolicy(PriorityPolicy):
             piece = pieces.pop(0)
             if not pieces:
                 del self._held[key]
-            self._held_in_step[key[0]] -= 1
-            if self._held_in_step[key[0]] <= 0:
-                del self._held_in_step[key[0]]
             self.forced_total += 1
         return piece
 
@@ -376,7 +368,7 @@ class LeaderPolicy(PriorityPolicy):
         every follower), in priority order."""
         out: list[Message] = []
         while (self._heap and self._heap[0][0] < step and not unstarted.waiting_in(self._heap[0][0])
-               and not self._held_in_step.get(self._heap[0][0])):
+               and not any(held_step == self._heap[0][0] for held_step, _ in self._held)):
             piece = heapq.heappop(self._heap)[-1]
             self._decided.append(piece)
             self._published.add(id(piece))
