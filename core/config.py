@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 __all__ = ["ENV_PREFIX", "ORDERINGS", "SchedulerConfig", "check_config", "check_layer_priority", "parse_fusion",
-           "parse_size", "read_environment", "read_terminal_environment"]
+           "parse_nice", "parse_size", "read_environment", "read_terminal_environment"]
 
 ENV_PREFIX = "COMMSCHED_"
 ORDERINGS = ("dynamic", "static", "fifo", "planned", "auto")
@@ -33,6 +33,7 @@ _DEFAULTS: dict[str, Any] = {
     "slack_alpha": 1.0,
     "decide_ahead": True,
     "ready_reports": True,
+    "thread_nice": 0,
 }
 
 _SIZE_UNITS = {
@@ -175,6 +176,19 @@ def _parse_alpha(value: Any, field: str) -> float:
     return number
 
 
+def parse_nice(value: Any, field: str = "thread_nice") -> int:
+    """A nice increment: a whole number from 0 to 19 (an int or its text); ``ValueError`` naming ``field``."""
+    text = value.strip() if isinstance(value, str) else value
+    try:
+        number = int(text) if isinstance(text, (int, str)) and not isinstance(text, bool) else None
+    except ValueError:
+        number = None
+    if number is None or not 0 <= number <= 19:
+        raise ValueError(f"{field}={value!r} must be a whole number from 0 to 19 (how much lower than the "
+                         "training thread commsched's own threads run; 0 the same)")
+    return number
+
+
 _PARSERS = {
     "partition_bytes": parse_size,
     "credit_bytes": parse_size,
@@ -188,6 +202,7 @@ _PARSERS = {
     "slack_alpha": _parse_alpha,
     "decide_ahead": _parse_bool,
     "ready_reports": _parse_bool,
+    "thread_nice": parse_nice,
 }
 
 
@@ -236,6 +251,11 @@ class SchedulerConfig:
             that gradient holds the credit while the link idles. When nothing is in flight
             rank 0 starts its most urgent piece anyway. Default True; False decides on rank 0's
             readiness alone (docs/tuning.md, "Pieces ready on every rank").
+        thread_nice: how much lower than the process's own (the training thread's) CPU priority
+            commsched's background threads run, as a nice increment from 0 to 19 (Linux, where
+            nice is per thread; ignored elsewhere). Where compute and these threads share busy
+            cores, the training thread then gets the core first. Default 0 (docs/tuning.md,
+            "commsched's threads below the training thread").
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and
@@ -254,6 +274,7 @@ class SchedulerConfig:
     slack_alpha: float = _UNSET
     decide_ahead: bool = _UNSET
     ready_reports: bool = _UNSET
+    thread_nice: int = _UNSET
 
     def __post_init__(self) -> None:
         env = None

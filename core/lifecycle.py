@@ -6,20 +6,27 @@ object whose ``close(timeout=...)`` stops them; it runs from
 ``threading._register_atexit``, i.e. before the interpreter joins non-daemon
 threads, which a plain ``atexit`` hook would be too late for. Objects are closed
 newest first, so a wrapper closes before the scheduler it owns.
+
+``lower_priority`` is how each of those threads, as it starts, takes a lower CPU
+priority than the thread that made it (``SchedulerConfig.thread_nice``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import weakref
 from typing import Any
 
 from commsched.errors import CommschedError
 
-__all__ = ["Closeable", "close_at_exit", "join_threads"]
+__all__ = ["Closeable", "close_at_exit", "join_threads", "lower_priority"]
 
 log = logging.getLogger(__name__)
+
+_refused_nice: list[str] = []  # the first refusal of lower_priority, logged once per process
 
 _live: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
 _installed = False
@@ -34,6 +41,27 @@ def _close_all() -> None:
             obj.close(timeout=timeout_s)
         except Exception as exc:  # exit must go on; say what could not be closed cleanly
             log.warning("closing %s at exit: %s", type(obj).__name__, exc)
+
+
+def lower_priority(nice: int) -> int | None:
+    """Run the calling thread ``nice`` steps lower in CPU priority than it runs now (a thread starts at its
+    creator's: the training thread's). Linux only, where nice is a per-thread attribute (setpriority(2)
+    with a thread id; elsewhere that id would name a process): the thread's new nice value, or None where
+    nothing changed (``nice`` 0, another system, or the call refused: logged once per process, then
+    the thread runs on at its priority). Raising one's own nice value needs no privilege."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        value = min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        os.setpriority(os.PRIO_PROCESS, tid, value)
+    except OSError as exc:  # a sandbox that filters the call, say
+        if not _refused_nice:
+            _refused_nice.append(str(exc))
+            log.warning("commsched: thread_nice=%d not applied (%s); its threads run at the training thread's "
+                        "priority", nice, exc)
+        return None
+    return value
 
 
 def join_threads(threads: list[threading.Thread], timeout_s: float) -> None:

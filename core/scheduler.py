@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 from commsched import failures
 from commsched.config import SchedulerConfig
 from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
-from commsched.lifecycle import Closeable, close_at_exit, join_threads
+from commsched.lifecycle import Closeable, close_at_exit, join_threads, lower_priority
 from commsched.partition import TensorOps
 from commsched.policy import make_policy
 from commsched.protocol import Channel, Message, publish_loop, read_loop
@@ -131,6 +131,7 @@ class Scheduler(Closeable):
 
     def _spawn(self, what: str, target: Callable[[], None]) -> None:
         def run() -> None:
+            lower_priority(self.config.thread_nice)  # the training thread gets a busy core first
             try:
                 target()
             except BaseException as exc:  # a bug or engine failure on a background thread

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from commsched.config import parse_fusion, parse_size
+from commsched.config import parse_fusion, parse_nice, parse_size
 from commsched.tuner import UNLIMITED_BYTES  # what ``none`` means in ``dynamic:<partition>/<credit>``
 
 #: The strategies whose piece size and credit a strategy name may set: ``dynamic:1MiB/4MiB`` (a point
@@ -51,6 +51,9 @@ class StrategySpec:
     #: ``<commsched strategy>+noreports``: ``SchedulerConfig(ready_reports=False)``, rank 0 decides on its own
     #: readiness, not on every rank's: what the followers' ready reports gain, side by side
     ready_reports: bool = True
+    #: ``<commsched strategy>+nice=<n>``: ``SchedulerConfig(thread_nice=n)``, commsched's threads that much below
+    #: the training thread in CPU priority; None: the config's default. What that gains, side by side
+    thread_nice: int | None = None
 
     @property
     def is_commsched(self) -> bool:
@@ -95,7 +98,8 @@ def parse_strategies(text: str) -> list[StrategySpec]:
         specs.append(dataclasses.replace(spec, name=name, split_tied="tied" in kinds,
                                          whole_apply="whole" in kinds, fusion_bytes=fusion,
                                          decide_ahead="noahead" not in kinds,
-                                         ready_reports="noreports" not in kinds))
+                                         ready_reports="noreports" not in kinds,
+                                         thread_nice=_nice(name, modifiers)))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
     if len({s.name for s in specs}) != len(specs):
@@ -110,19 +114,35 @@ MODIFIERS = {
     "fuse": "+fuse=<size> (fuse small gradients up to that size; not on planned, whose plan fixes its groups)",
     "noahead": "+noahead (rank 0 publishes each decision as its piece starts, not an ended step's rest at once)",
     "noreports": "+noreports (rank 0 decides on its own readiness, without the other ranks' ready reports)",
+    "nice": "+nice=<n> (commsched's threads n steps below the training thread's CPU priority, 0-19)",
 }
+#: the modifiers that take a value (``+fuse=<size>``, ``+nice=<n>``)
+VALUED = ("fuse", "nice")
+
+
+def _nice(name: str, modifiers: list[str]) -> int | None:
+    """The ``n`` of ``+nice=<n>`` among ``modifiers`` (checked by :func:`parse_modifiers`), else None."""
+    for m in modifiers:
+        kind, eq, value = m.partition("=")
+        if kind == "nice":
+            try:
+                return parse_nice(value if eq else "", "+nice")
+            except ValueError as exc:
+                raise ValueError(f"strategy {name!r}: {exc} (e.g. dynamic+nice=10)") from None
+    return None
 
 
 def parse_modifiers(name: str, modifiers: list[str], *, commsched: bool, planned: bool,
                     allowed: tuple[str, ...] = tuple(MODIFIERS)) -> tuple[frozenset[str], int | None]:
     """The ``+`` modifiers of strategy ``name`` (``modifiers``: what follows its base, split at ``+``):
     which of ``allowed`` it has, and the size of ``+fuse=<size>`` (None without one). ``ValueError``
-    naming the strategy: a modifier not allowed, repeated, with a value where it takes none, on a
+    naming the strategy: a modifier not allowed, repeated, with a value where it takes none (only
+    :data:`VALUED` ones take one), on a
     strategy commsched does not run, or ``+fuse`` on ``planned``. The bench and the simulator both
     read names with it (``commsched simulate`` predicts what ``commsched bench`` runs)."""
     kinds = [m.partition("=")[0] for m in modifiers]
     if modifiers and (not commsched or not set(kinds) <= set(allowed) or len(set(kinds)) != len(kinds)
-                      or any(m != k and k != "fuse" for m, k in zip(modifiers, kinds, strict=True))
+                      or any(m != k and k not in VALUED for m, k in zip(modifiers, kinds, strict=True))
                       or ("fuse" in kinds and planned)):
         listed = [MODIFIERS[k] for k in allowed]
         raise ValueError(f"strategy {name!r}: the modifiers are {', '.join(listed[:-1])} and {listed[-1]}, each "

@@ -12,7 +12,8 @@ from commsched.config import read_environment
 pytestmark = pytest.mark.timeout(30)
 
 ENV_VARS = ["COMMSCHED_PARTITION_BYTES", "COMMSCHED_CREDIT_BYTES", "COMMSCHED_ORDERING",
-            "COMMSCHED_CROSS_ITERATION", "COMMSCHED_TIMEOUT_S", "COMMSCHED_TIMELINE", "COMMSCHED_FUSION_BYTES"]
+            "COMMSCHED_CROSS_ITERATION", "COMMSCHED_TIMEOUT_S", "COMMSCHED_TIMELINE", "COMMSCHED_FUSION_BYTES",
+            "COMMSCHED_THREAD_NICE"]
 
 
 @pytest.fixture(autouse=True)
@@ -178,3 +179,16 @@ def test_fusion_bytes_from_the_environment_and_its_errors_name_the_variable_and_
         SchedulerConfig(fusion_bytes=-1)
     with pytest.raises(ValueError, match=r"fusion_bytes=True"):
         SchedulerConfig(fusion_bytes=True)
+
+
+def test_thread_nice_is_a_nice_increment_from_0_to_19_explicit_or_from_the_environment(monkeypatch):
+    assert SchedulerConfig().thread_nice == 0
+    assert SchedulerConfig(thread_nice=19).thread_nice == 19
+    monkeypatch.setenv("COMMSCHED_THREAD_NICE", " 10 ")
+    assert SchedulerConfig().thread_nice == 10
+    monkeypatch.setenv("COMMSCHED_THREAD_NICE", "low")
+    with pytest.raises(ValueError, match=r"COMMSCHED_THREAD_NICE='low' must be a whole number from 0 to 19"):
+        SchedulerConfig()
+    for bad in (-1, 20, 2.5, True, "5.0"):
+        with pytest.raises(ValueError, match=r"thread_nice=.* must be a whole number from 0 to 19"):
+            SchedulerConfig(thread_nice=bad)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import array
 import json
+import os
+import sys
 import threading
 import time
 
@@ -333,3 +335,44 @@ def test_a_completion_wakes_the_dispatch_thread_only_when_a_piece_waits_to_start
             held.mark_step()
     finally:
         world.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is a per-thread attribute on Linux only")
+@pytest.mark.parametrize("nice", [0, 5])
+def test_every_thread_the_scheduler_starts_runs_thread_nice_below_its_creator(nice):
+    """``thread_nice``: dispatch, complete, publish and order run that much lower in CPU priority than the
+    thread that made the scheduler, which keeps its own (a raise of one's nice value needs no privilege)."""
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    world = InProcessWorld(2)
+    cfg = SchedulerConfig(timeout_s=10, thread_nice=nice)
+    schedulers = [Scheduler(world.backend(r), ArrayOps(), cfg, store=world.store) for r in range(2)]
+    try:
+        threads = [t for s in schedulers for t in s._threads]
+        assert {t.name.split("-")[1] for t in threads} == {"dispatch", "complete", "publish", "order"}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(t.native_id is None for t in threads):
+            time.sleep(0.01)
+        assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads} == {min(19, mine + nice)}
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        for s in schedulers:
+            s.close(timeout=5)
+        world.close()
+
+
+def test_lower_priority_changes_nothing_at_zero_and_stops_at_nineteen():
+    from commsched.lifecycle import lower_priority
+
+    seen = {}
+
+    def probe():
+        seen["zero"] = lower_priority(0)
+        seen["far"] = lower_priority(40)
+        seen["now"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join(5)
+    assert seen["zero"] is None
+    if sys.platform.startswith("linux"):
+        assert seen["far"] == seen["now"] == 19
