@@ -181,7 +181,7 @@ class CommschedStrategy(Strategy):
         if ordering == "fifo":
             partition_bytes = credit_bytes = UNLIMITED_BYTES
         chosen = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}  # +fuse=<size>; else the default
-        if thread_nice is not None:  # +nice; else the default
+        if thread_nice is not None:  # +nice=<n>; else the default
             chosen["thread_nice"] = thread_nice
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
