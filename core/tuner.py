@@ -249,10 +249,12 @@ def location(periods: list[float]) -> float:
     one setting's 4-step samples at 0.785-0.944 s) have a median that falls anywhere in the gap between
     the two clusters, depending on their extremes; the middle half's mean follows the throughput,
     while a slow step now and then still falls in the dropped quarters."""
+    if len(periods) < 4:
+        return statistics.median(periods)
     ordered = sorted(periods)
     cut = len(ordered) // 4
-    middle = ordered[cut:len(ordered) - cut] if len(ordered) >= 4 else ordered
-    return statistics.median(middle) if len(ordered) < 4 else sum(middle) / len(middle)
+    middle = ordered[cut:len(ordered) - cut]
+    return sum(middle) / len(middle)
 
 
 def spread(periods: list[float]) -> float:
