@@ -34,6 +34,7 @@ _DEFAULTS: dict[str, Any] = {
     "decide_ahead": True,
     "ready_reports": True,
     "thread_nice": 0,
+    "verify_order": True,
 }
 
 _SIZE_UNITS = {
@@ -203,6 +204,7 @@ _PARSERS = {
     "decide_ahead": _parse_bool,
     "ready_reports": _parse_bool,
     "thread_nice": parse_nice,
+    "verify_order": _parse_bool,
 }
 
 
@@ -256,6 +258,12 @@ class SchedulerConfig:
             nice is per thread; ignored elsewhere). Where compute and these threads share busy
             cores, the training thread then gets the core first. Default 0 (docs/tuning.md,
             "commsched's threads below the training thread").
+        verify_order: with ``ordering="fifo"`` on an engine that pairs collectives by position
+            (torch.distributed's gloo), every rank checks after each step that all ranks reduced the
+            same tensors in the same order (one 24-byte all-reduce behind the step's pieces) and
+            raises ``OrderAgreementError`` naming the first difference otherwise; without it,
+            same-sized pieces of different tensors would be summed together silently. The other
+            orderings agree on the order anyway. Default True (:mod:`commsched.order_check`).
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and
@@ -275,6 +283,7 @@ class SchedulerConfig:
     decide_ahead: bool = _UNSET
     ready_reports: bool = _UNSET
     thread_nice: int = _UNSET
+    verify_order: bool = _UNSET
 
     def __post_init__(self) -> None:
         env = None

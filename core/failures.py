@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from commsched.errors import CommschedError, CommunicationError, RemoteAbort
+from commsched.errors import CommschedError, CommunicationError, OrderAgreementError, RemoteAbort
 from commsched.protocol import Channel
 
 __all__ = ["FailedState", "background_failed", "piece_failed", "refused", "remote_abort", "update_failed"]
@@ -76,7 +76,10 @@ def refused(task_name: str, exc: BaseException) -> CommschedError:
 
 
 def update_failed(task_name: str, exc: BaseException) -> CommschedError:
-    """The plugin's ``on_done`` (the update after a reduction) raised."""
+    """The plugin's ``on_done`` (the update after a reduction) raised. A disagreement it found (the
+    check of :mod:`commsched.order_check`) is raised as itself: it names what differs already."""
+    if isinstance(exc, OrderAgreementError):
+        return exc
     return _caused(CommschedError(f"the update after reducing tensor {task_name!r} failed: {exc!r}"), exc)
 
 

@@ -54,6 +54,9 @@ class StrategySpec:
     #: ``<commsched strategy>+nice=<n>``: ``SchedulerConfig(thread_nice=n)``, commsched's threads that much below
     #: the training thread in CPU priority; None: the config's default. What that gains, side by side
     thread_nice: int | None = None
+    #: ``<commsched strategy>+noverify``: ``SchedulerConfig(verify_order=False)``, no check of each fifo step's
+    #: order after it (:mod:`commsched.order_check`): what that check costs, side by side
+    verify_order: bool = True
 
     @property
     def is_commsched(self) -> bool:
@@ -99,6 +102,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
                                          whole_apply="whole" in kinds, fusion_bytes=fusion,
                                          decide_ahead="noahead" not in kinds,
                                          ready_reports="noreports" not in kinds,
+                                         verify_order="noverify" not in kinds,
                                          thread_nice=_nice(name, modifiers)))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
@@ -115,6 +119,7 @@ MODIFIERS = {
     "noahead": "+noahead (rank 0 publishes each decision as its piece starts, not an ended step's rest at once)",
     "noreports": "+noreports (rank 0 decides on its own readiness, without the other ranks' ready reports)",
     "nice": "+nice=<n> (commsched's threads n steps below the training thread's CPU priority, 0-19)",
+    "noverify": "+noverify (no check of each fifo step's order after it)",
 }
 #: the modifiers that take a value (``+fuse=<size>``, ``+nice=<n>``)
 VALUED = ("fuse", "nice")

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from commsched.config import SchedulerConfig, check_config, read_environment
 from commsched.errors import CommschedError, CommschedTimeout, SchedulerClosed
 from commsched.lifecycle import Closeable
+from commsched.order_check import CHECK_PREFIX, StepManifest, agree, digest_values, mismatch, split_lists
 from commsched.plan import Plan, PlannedTensor, fused_name
 from commsched.plan_agreement import agree_on_plan, check_plan, note_engine, store_gather
 from commsched.policy import agrees_on_order
@@ -566,6 +567,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._reducer: Optional[DdpReducer] = None
         self._hooked = 0  # gradient hooks of this step
         self._every_grad = True
+        # verify_order: what this rank submitted in the current step, in order (commsched.order_check)
+        self._manifest = StepManifest()
+        self._verifying = False  # _checks_order(self.config), set once the engine is known and at each switch
+        self._order_checks = 0  # steps whose order was checked (stats()["order_checks"])
 
         # From here on threads and groups exist: any failure closes what was made.
         self._backend = make_backend(backend, process_group, self.config.timeout_s)
@@ -598,9 +603,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             store = None
             planned = self.config.ordering == "planned"
             if agrees_on_order(self.config, self.world_size, self._backend.negotiates_order) or (
-                    (planned or self._adaptive) and self.world_size > 1 and not self._backend.negotiates_order):
-                store = default_store()  # planned: plan check, aborts (order priority/observed: decisions)
+                    (planned or self._adaptive) and self.world_size > 1 and not self._backend.negotiates_order) or \
+                    self._checks_order(self.config):
+                # planned: plan check, aborts (order priority/observed: decisions); a checked fifo: aborts, and
+                # the lists that name the first tensor the ranks differ on
+                store = default_store()
             self._store = store
+            self._verifying = self._checks_order(self.config)
             prefix = self._prefix = f"commsched/{_group_key(process_group)}opt{next(_instances)}"
             if planned:
                 self._start_plan(store, prefix)
@@ -883,6 +892,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._epoch += 1
         prefix = f"{self._prefix}/e{self._epoch}"
         self.config = config
+        self._verifying = self._checks_order(config)
         # Nothing is in flight and every update is applied (synchronize() above), so the path may change
         # here: the hooks read it per gradient and per step (auto's tuner may choose the synchronous path).
         self._cross = config.cross_iteration
@@ -1147,11 +1157,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         state.pieces = self._rangeable_pieces(state, buffer) if streams is None else 0
         state.landed = [] if state.pieces else None
         if state.landed is not None:  # each piece is averaged as it lands (_piece_landed), not the whole at the end
+            self._note_submit(state.name, buffer)
             state.future = self._scheduler.submit(state.name, buffer, state.priority,
                                                   on_piece=functools.partial(self._piece_landed, state))
             self._tasks_submitted += 1
             state.future.add_done_callback(self._wake_landed)  # a failure ends a wait for the next range too
             return
+        self._note_submit(state.name, buffer)
         state.future = self._scheduler.submit(state.name, buffer, state.priority, ready=ready,
                                               on_done=None if self._engine_averages else self._after_reduce)
         self._tasks_submitted += 1
@@ -1219,6 +1231,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             s.grad = buffer[lo:hi].view_as(s.param)
             s.copy_back = None if self._cross else arrived[id(s)]
             s.cuda = ready
+        self._note_submit(fusion.name, buffer)
         future = self._scheduler.submit(fusion.name, buffer, min(s.priority for s in fusion.members),
                                         on_done=None if self._engine_averages else self._after_reduce, ready=ready)
         self._tasks_submitted += 1
@@ -1227,6 +1240,50 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             s.landed, s.pieces = None, 0  # reduced alone last time (a partial group): not ranged now
             if s.split is not None:  # a plan that fused a split tied weight: its rows go as in _submit
                 s.split.arm()
+
+    def _checks_order(self, config: SchedulerConfig) -> bool:
+        """Whether, under ``config``, each step ends with the ranks checking that they reduced the same
+        tensors in the same order (:mod:`commsched.order_check`): ``verify_order`` and ``fifo`` (the
+        other orderings agree on the order; torch's reducer submits nothing), an engine that pairs
+        collectives by position (not Horovod, which matches them by name), more than one rank, and
+        gradients in host memory (the CUDA path, which has not run on a GPU yet, is left out)."""
+        return (config.verify_order and config.ordering == "fifo" and self.world_size > 1
+                and not self._backend.negotiates_order and not any(s.param.is_cuda for s in self._params))
+
+    def _note_submit(self, name: str, buffer: torch.Tensor) -> None:
+        """A task goes to the scheduler: its place in this step's order, for the check at the step's end."""
+        if self._verifying:
+            self._manifest.add(name, buffer.numel(), str(buffer.dtype).removeprefix("torch."))
+
+    def _submit_order_check(self) -> None:
+        """At the end of a step (before ``mark_step``): under :meth:`_checks_order`, reduce this step's digest
+        behind its pieces; :meth:`_order_checked` compares the sum when it lands."""
+        entries = self._manifest.take()
+        if not entries or not self._verifying:
+            return
+        own = digest_values(entries)
+        step = self._steps
+        self._order_checks += 1
+        self._scheduler.submit(f"{CHECK_PREFIX}{step}", torch.tensor(own, dtype=torch.float64),
+                               priority=len(self._params),
+                               on_done=functools.partial(self._order_checked, step, entries, own))
+
+    def _order_checked(self, step: int, entries: list[str], own: tuple[float, ...], task: Task) -> None:
+        """Completion thread: the check of ``step`` landed. Equal on every rank: nothing. Otherwise raise
+        ``OrderAgreementError`` (the scheduler fails and tells the other ranks), naming the first tensor
+        that differs from rank 0's (rank 0: from rank 1's) where the store carries both lists."""
+        if agree(task.tensor.tolist(), own, self.world_size):
+            return
+        other = 1 if self.rank == 0 else 0
+        theirs = None
+        if self._store is not None:
+            key = f"{self._prefix}/order-check/{step}/"
+            try:
+                self._store.set(key + str(self.rank), "\n".join(entries).encode())
+                theirs = split_lists(self._store.get(key + str(other), timeout_s=min(10.0, self.config.timeout_s)))
+            except Exception as exc:  # noqa: BLE001 - the disagreement is the error; the names are a help
+                log.warning("the other rank's list of step %d did not arrive: %r", step, exc)
+        raise mismatch(step, self.rank, entries, other, theirs)
 
     def _divisor(self) -> float:
         """What the sum is divided by for an average (Horovod's predivide already took ``f``)."""
@@ -1575,6 +1632,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                 s.split.flush()  # rows the synchronizing pass did not send (its lookup did not run after the arm)
         if self._recording:
             self._finish_recording()
+        self._submit_order_check()
         self._scheduler.mark_step()
         if not self._cross:
             if grad_scaler is not None and _scaler_stage(grad_scaler, self) == "UNSCALED" and \
@@ -1716,6 +1774,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             **({"slack": dict(self._slack, alpha=self.config.slack_alpha)} if self._slack else {}),
             "fusion_bytes": self.config.fusion_bytes,
             "fused": {f.name: [m.name for m in f.members] for f in self._fusions},
+            "order_checks": self._order_checks,  # steps whose order the ranks checked (verify_order, fifo)
             # a forward waited for these gradients and updated each range as its piece landed
             "ranged_apply": dict(self._ranged_counts),
             # split_tied_embeddings: per tied embedding, the row exchanges done and the rows they carried

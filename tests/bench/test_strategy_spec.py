@@ -178,17 +178,20 @@ def test_fuse_sets_a_strategys_own_fusion_threshold_in_the_bench_and_the_simulat
         simulate(prof, topo, "planned+fuse=1MiB")
 
 
-def test_noahead_noreports_and_nice_reach_the_torch_strategy(monkeypatch):
+def test_noahead_noreports_nice_and_noverify_reach_the_torch_strategy(monkeypatch):
     pytest.importorskip("torch")
     import commsched.plugins.torch.bench.strategies as strategies
     specs = parse_strategies("dynamic+noahead,auto+noahead+tied,dynamic,static:1MiB/4MiB+noahead,"
-                             "dynamic+noreports,auto+noreports+noahead,dynamic+nice=10+noreports,auto+nice=0")
-    assert [s.decide_ahead for s in specs] == [False, False, True, False, True, False, True, True]
-    assert [s.ready_reports for s in specs] == [True, True, True, True, False, False, False, True]
-    assert [s.thread_nice for s in specs] == [None] * 6 + [10, 0]
+                             "dynamic+noreports,auto+noreports+noahead,dynamic+nice=10+noreports,auto+nice=0,"
+                             "fifo+noverify,sync+noverify+fuse=1MiB")
+    assert [s.decide_ahead for s in specs] == [False, False, True, False, True, False, True, True, True, True]
+    assert [s.ready_reports for s in specs] == [True, True, True, True, False, False, False, True, True, True]
+    assert [s.thread_nice for s in specs] == [None] * 6 + [10, 0, None, None]
+    assert [s.verify_order for s in specs] == [True] * 8 + [False, False]
+    assert specs[-1].fusion_bytes == 1 << 20
     assert specs[1].split_tied and specs[1].name == "auto+noahead+tied"
-    for bad in ("ddp+noahead", "ddp:4+noreports", "horovod+nice=3", "dynamic+noahead=1"):
-        with pytest.raises(ValueError, match=r"\+noahead.*\+noreports.*\+nice=<n>"):
+    for bad in ("ddp+noahead", "ddp:4+noreports", "horovod+nice=3", "dynamic+noahead=1", "ddp+noverify"):
+        with pytest.raises(ValueError, match=r"\+noahead.*\+noreports.*\+nice=<n>.*\+noverify"):
             parse_strategies(bad)
     for bad in ("dynamic+nice", "dynamic+nice=20", "auto+nice=low"):
         with pytest.raises(ValueError, match=r"must be a whole number from 0 to 19.*e\.g\. dynamic\+nice=10"):
@@ -197,13 +200,15 @@ def test_noahead_noreports_and_nice_reach_the_torch_strategy(monkeypatch):
 
     class Recorder:
         def __init__(self, model, make_opt, ordering, partition, credit, timeline, **kw):
-            made.append((ordering, kw["decide_ahead"], kw["ready_reports"], kw["thread_nice"]))
+            made.append((ordering, kw["decide_ahead"], kw["ready_reports"], kw["thread_nice"], kw["verify_order"]))
 
     monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
     run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20, "world_size": 2, "nodes": 2,
                 "bandwidth": "1gbit"}
     for spec in specs:
         strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
-    assert made == [("dynamic", False, True, None), ("auto", False, True, None), ("dynamic", True, True, None),
-                    ("static", False, True, None), ("dynamic", True, False, None), ("auto", False, False, None),
-                    ("dynamic", True, False, 10), ("auto", True, True, 0)]
+    assert made == [("dynamic", False, True, None, True), ("auto", False, True, None, True),
+                    ("dynamic", True, True, None, True), ("static", False, True, None, True),
+                    ("dynamic", True, False, None, True), ("auto", False, False, None, True),
+                    ("dynamic", True, False, 10, True), ("auto", True, True, 0, True),
+                    ("fifo", True, True, None, False), ("fifo", True, True, None, False)]

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import commsched
+from commsched.order_check import CHECK_PREFIX
 from commsched.partition import piece_bounds
 from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor, fused_name
 from commsched.plugins.torch import DistributedOptimizer
@@ -102,9 +103,24 @@ class Branchy(nn.Module):
         return self.head(h) + (self.unused(h) if self.use_unused else 0)
 
 
+class Twin(nn.Module):
+    """Two heads of one shape; rank 0 uses ``a``, the other ranks ``b`` (``use_b``): every rank submits the
+    same number of same-sized gradients each step, of different tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+        self.use_b = False
+
+    def forward(self, x):
+        return (self.b if self.use_b else self.a)(torch.relu(self.trunk(x)))
+
+
 def build(kind, dtype):
     torch.manual_seed(1234)
-    return {"mlp": lambda: MLP(dtype), "tied": Tied, "gpt": GPT, "branchy": Branchy}[kind]()
+    return {"mlp": lambda: MLP(dtype), "tied": Tied, "gpt": GPT, "branchy": Branchy, "twin": Twin}[kind]()
 
 
 def batch(kind, rank, step, dtype):
@@ -129,7 +145,7 @@ SCENARIO_DEFAULTS = dict(model="mlp", optimizer="sgd_momentum", ordering="dynami
                          die_rank=-1, die_step=-1, desync_init=False, plan=None, nodes=1, fusion=0,
                          alternate_branch=False, fast_tuner=False, priority="layer", slack_alpha=1.0,
                          auto_plan=False, plan_order="fixed", auto_sync_first=False, split_tied=False,
-                         dp_groups=1, auto_reducer_first=False, plan_engine=0)
+                         dp_groups=1, auto_reducer_first=False, plan_engine=0, verify_order=True)
 PLAN_DIR = "."  # where planned scenarios write their plan files (next to --out)
 
 
@@ -198,6 +214,8 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                 p.add_(rank + 1.0)
     if sc["model"] == "branchy" and sc["unused_on_rank"] == rank:
         model.use_unused = ref.use_unused = True
+    if sc["model"] == "twin":
+        model.use_b = ref.use_b = rank != 0
     plan = plan_path = None
     if sc["plan"]:
         plan = test_plan(model, sc, rank, world)
@@ -207,7 +225,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
                                        ordering="planned" if plan else sc["ordering"], plan=plan_path,
                                        cross_iteration=bool(sc["cross"]), timeout_s=TIMEOUT_S, timeline=sc["timeline"],
                                        fusion_bytes=sc["fusion"], priority=sc["priority"],
-                                       slack_alpha=sc["slack_alpha"])
+                                       slack_alpha=sc["slack_alpha"], verify_order=sc["verify_order"])
     from commsched.plugins.torch import optimizer as optimizer_module
     # "planned" without a plan: its plan stays on commsched's pieces (whether the tiny MLP's communication looks
     # hidden to the model depends on this machine's timing; a plan naming the reducer has scenarios of its own)
@@ -276,7 +294,7 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             grads_kept.append(any(p.grad is not None for p in model.parameters()))
             opt.step()
             grads_after_step.append(any(p.grad is not None for p in model.parameters()))
-            if sc["unused_on_rank"] >= 0 or sc["die_rank"] >= 0:
+            if sc["unused_on_rank"] >= 0 or sc["die_rank"] >= 0 or sc["model"] == "twin":
                 continue  # the reference would mismatch in its own all-reduces; only the error matters
             for p in ref.parameters():
                 if p.grad is not None:
@@ -317,12 +335,19 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
             result["plan_order"] = list(plan.piece_names)
         if stats["engine"] == "torch-reducer":  # the plan named DDP's engine: commsched's scheduler idles now
             expected_pieces = None
+        # the check that ends each fifo step (commsched.order_check) apart from the gradients' pieces: for each
+        # step, whether its order ended with exactly that step's one check
+        order = stats["scheduler"]["per_step"]
+        result["order_checked"] = {step: [n for n in seen["order"] if n.startswith(CHECK_PREFIX)] == seen["order"][-1:]
+                                   and seen["order"][-1].startswith(CHECK_PREFIX) for step, seen in order.items()}
+        order = {step: dict(seen, order=[n for n in seen["order"] if not n.startswith(CHECK_PREFIX)])
+                 for step, seen in order.items()}
         digest = hashlib.sha256()
         for p in model.parameters():
             digest.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # bfloat16 too
         result.update(bitwise=bitwise, param_sha256=digest.hexdigest(), max_diff=max(diffs.values()), diffs=diffs,
                       stats={k: v for k, v in stats.items() if k != "scheduler"},
-                      order=stats["scheduler"]["per_step"], lr=opt.param_groups[0]["lr"],
+                      order=order, lr=opt.param_groups[0]["lr"],
                       expected_pieces=expected_pieces, grads_kept=grads_kept, grads_after_step=grads_after_step,
                       max_in_flight_bytes=stats["scheduler"]["max_in_flight_bytes"])
     except Exception as exc:  # reported to the test, which asserts on it

@@ -135,6 +135,27 @@ def test_gradient_on_one_rank_only_fails_on_every_rank_naming_it(ranks):
         assert "unused" in error and "unused." in error.replace("'", ""), error
 
 
+@pytest.mark.timeout(150)
+def test_fifo_ranks_that_reduce_other_same_sized_tensors_fail_naming_them_and_only_the_check_catches_it(ranks):
+    """Rank 0 trains head ``a``, rank 1 head ``b`` of the same shape: under fifo gloo pairs the pieces by
+    position and sums ``a``'s gradient with ``b``'s. The check at the end of each step (verify_order,
+    commsched.order_check) fails every rank naming both; without it the ranks train on silently."""
+    twin = {"model": "twin", "ordering": "fifo", "steps": 3}
+    # a failed scenario ends its processes' run (their process group may be unusable): one run per failure
+    first = ranks(2, *scenarios(dict(twin, verify_order=False), dict(twin, fusion=1 << 16, cross=0)), timeout=60)
+    second = ranks(2, *scenarios(twin), timeout=60)
+    for (silent, fused), (alone,) in zip(first, second, strict=True):
+        assert "error" not in silent, silent["error"]  # what the check is for: no engine error, wrong sums
+        assert silent["stats"]["order_checks"] == 0 and not any(silent["order_checked"].values()), silent
+        for r in (fused, alone):
+            assert r.get("error_type") in ("OrderAgreementError", "RemoteAbort"), r.get("error")
+            assert "ordering='fifo'" in r["error"] and "step 0" in r["error"], r["error"]
+            assert re.search(r"\ba\.(weight|bias)", r["error"]) and re.search(r"\bb\.(weight|bias)", r["error"]), r["error"]
+            assert "on rank 0" in r["error"] and "on rank 1" in r["error"], r["error"]
+            assert r["error_after_start_s"] < 15, r["error_after_start_s"]  # within a step or two, not a timeout
+            assert r["threads_after_close"] == [], r["threads_after_close"]
+
+
 @pytest.mark.timeout(200)
 def test_four_ranks_allclose_dynamic_and_static(ranks):
     items = [{"optimizer": "adam", "ordering": "dynamic", "delay": 0.002, "steps": 6},
@@ -326,6 +347,9 @@ def test_small_gradients_fused_by_size_are_bitwise_on_two_ranks_in_every_orderin
                                        ["layers.2.bias", "layers.4.weight", "layers.4.bias"]}
     whole = next(r for r in by.values() if r["scenario"]["fusion"] == 1 << 16 and r["scenario"]["model"] == "mlp")
     assert list(whole["stats"]["fused"]) == ["fused[layers.0.weight..layers.4.bias](6)"]
+    for r in results[0] + results[1]:  # every fifo step ended with the ranks' check of its order, and no other
+        checked = r["order_checked"].values()
+        assert all(checked) if r["scenario"]["ordering"] == "fifo" else not any(checked), r["scenario"]
     alternating = next(r for r in by.values() if r["scenario"]["alternate_branch"])
     assert any("unused" in m for ms in alternating["stats"]["fused"].values() for m in ms)  # used in step 0
     # odd steps: the group is incomplete, so its members went one by one
