@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import commsched
-from commsched.order_check import CHECK_PREFIX
+from commsched.order_check import is_check_name
 from commsched.partition import piece_bounds
 from commsched.plan import Plan, PlanGroup, PlannedPiece, PlannedTensor, fused_name
 from commsched.plugins.torch import DistributedOptimizer
@@ -336,11 +336,11 @@ def run_scenario(sc: dict, rank: int, world: int, ref_group) -> dict:
         if stats["engine"] == "torch-reducer":  # the plan named DDP's engine: commsched's scheduler idles now
             expected_pieces = None
         # the check that ends each fifo step (commsched.order_check) apart from the gradients' pieces: for each
-        # step, whether its order ended with exactly that step's one check
+        # step, whether exactly one check ran in it, last
         order = stats["scheduler"]["per_step"]
-        result["order_checked"] = {step: [n for n in seen["order"] if n.startswith(CHECK_PREFIX)] == seen["order"][-1:]
-                                   and seen["order"][-1].startswith(CHECK_PREFIX) for step, seen in order.items()}
-        order = {step: dict(seen, order=[n for n in seen["order"] if not n.startswith(CHECK_PREFIX)])
+        result["order_checked"] = {step: [n for n in seen["order"] if is_check_name(n)] == seen["order"][-1:]
+                                   for step, seen in order.items()}
+        order = {step: dict(seen, order=[n for n in seen["order"] if not is_check_name(n)])
                  for step, seen in order.items()}
         digest = hashlib.sha256()
         for p in model.parameters():
