@@ -1734,15 +1734,16 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         most recent steps last), totals, and the scheduler's counters (pieces, bytes, order).
 
         With ``ordering="auto"`` (or ``"planned"`` without a plan) ``ordering`` is the one in use
-        now, ``requested_ordering`` the config's, the scheduler's ``per_step`` is numbered by
-        optimizer step, and ``tuner`` has every decision taken (``switches``, on every rank) and,
+        now, ``requested_ordering`` the config's, the scheduler's ``per_step`` and ``issue_times`` are
+        numbered by optimizer step, and ``tuner`` has every decision taken (``switches``, on every rank) and,
         on rank 0 of ``auto``, the tuner's phase, incumbent and sample history. Where pieces run the
         two-level all-reduce (a plan's ``hierarchical`` pieces on torch.distributed), ``hierarchical``
         has its three phases' times on this rank
         (:meth:`commsched.plugins.torch.hierarchical.HierarchicalAllReduce.phase_stats`)."""
         sched = self._scheduler.stats()
-        if self._sched_base_step:
-            sched["per_step"] = {k + self._sched_base_step: v for k, v in sched["per_step"].items()}
+        if self._sched_base_step:  # both by optimizer step: a reader pairs a step's order with its issue times
+            for key in ("per_step", "issue_times"):
+                sched[key] = {k + self._sched_base_step: v for k, v in sched[key].items()}
         if self._gpu_waits:
             self._account_gpu_waits(block=True)
         adaptive = {}

@@ -57,6 +57,23 @@ def test_auto_tunes_at_agreed_steps_logs_each_decision_and_reports_its_history(f
     assert commsched.SchedulerConfig().ordering == "dynamic"  # auto is not the default (docs/tuning.md)
 
 
+def test_after_a_switch_the_schedulers_orders_and_issue_times_are_numbered_by_optimizer_step(fast_tuner,
+                                                                                              monkeypatch):
+    # the bench pairs rank 0's decisions with the followers' issues step by step from these two (docs/bench.md,
+    # decision->issue); torch's reducer is left out of the starts so that commsched's scheduler runs at the end
+    monkeypatch.setattr(optimizer_module, "REDUCER_BUCKETS", ())
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="auto", timeout_s=30))
+    train(opt, model, 30)
+    stats = opt.stats()
+    opt.close()
+    started = max(s["applies_from"] for s in stats["tuner"]["switches"] if s["settings"] is not None)
+    sched = stats["scheduler"]
+    assert stats["engine"] != "torch-reducer" and started > 0
+    assert sorted(sched["issue_times"]) == sorted(sched["per_step"]) and min(sched["per_step"]) >= started
+
+
 def test_planned_without_a_plan_runs_dynamic_then_switches_to_its_own_plan():
     model = model_of()
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model, backend="torch",
