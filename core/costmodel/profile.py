@@ -537,7 +537,11 @@ def piece_cost_fit(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     contention measured high for the step's flat all-reduce leaves no excess at all (measured:
     2 × 2 ranks on 2 cores, gpt2 and comm-heavy 0 where balanced, on the same links, read 2.2 ms; the
     bench's own rank-0 spans grew 3–4 ms for each piece more). ``None`` when a run has no step or
-    both cut the step into as many pieces (no slope to fit)."""
+    both cut the step into as many pieces (no slope to fit), or where the fit's stretch ``m`` comes out at 0
+    or below: the busy time grew with the pieces while the closed forms barely moved, so the slope took all of
+    it (measured: 4 ranks on 2 cores, compute-heavy, 20 and 40 pieces of 0.111 and 0.126 s closed form busy
+    0.220 and 0.445 s: m -0.06 and 11.3 ms a piece, which predicted fifo and dynamic 16-22 % slow; the
+    profile then uses one run's excess, 1.8 ms, as where no slope is fitted)."""
     rows = []
     for run in runs:
         steps = run.get("steps") or []
@@ -554,6 +558,11 @@ def piece_cost_fit(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"value": None, "contention": None, "runs": rows, "how": "both runs had as many pieces a step"}
     m = (b1 * n2 - b2 * n1) / det
     c = (k1 * b2 - k2 * b1) / det
+    if m <= 0:
+        # bytes moved in no time: the slope took all of the busy time (the closed forms of the two runs
+        # barely differ while the busy time doubled), so it says nothing about what one piece more costs
+        return {"value": None, "fitted_s": c, "contention": m, "runs": rows,
+                "how": "the fit's stretch of the bytes came out at 0 or below: no slope to trust"}
     return {"value": max(0.0, c), "fitted_s": c, "contention": m, "runs": rows,
             "how": "busy = m x closed form + c x pieces over the median steps of two runs with pieces of two "
                    "sizes (union of the pieces' spans, last rank's issue to first rank's landing); c floored at 0"}

@@ -81,8 +81,9 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: 7: ``per_piece_link_s`` measured; 8: ``per_task_submit_s`` split from ``per_grad_hook_s``; 9: ``per_piece_link_s``
 #: the slope over two piece sizes; 10: ``two_level_phases`` measured on several nodes of several ranks; 11: the
 #: ``dynamic`` runs measured with ``decide_ahead``, rank 0 publishing an ended step's rest at once; 12:
-#: ``two_level_skew_s``, the two-level runs' start skew, charged to two-level pieces).
-CACHE_VERSION = 12
+#: ``two_level_skew_s``, the two-level runs' start skew, charged to two-level pieces; 13: a fit of
+#: ``per_piece_link_s`` whose stretch of the bytes is at 0 or below falls back to one run's excess).
+CACHE_VERSION = 13
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
@@ -788,7 +789,8 @@ def _link_excess(ranks: list[dict[str, Any]], workers: int, nodes: int | None, b
     """``per_piece_link_s``: the network time one piece more costs beyond the closed form of the
     topology the simulator uses for these flags, the slope over the pieces of the ranks'
     :func:`_sched_cpu_per_piece` steps and their :func:`_small_pieces_stats` steps
-    (:func:`~commsched.costmodel.profile.piece_cost_fit`); where no slope can be fitted, the first
+    (:func:`~commsched.costmodel.profile.piece_cost_fit`); where no slope can be fitted (or the fit's stretch
+    of the bytes is at 0 or below), the first
     run's excess over the closed form × ``comm_contention``
     (:func:`~commsched.costmodel.profile.link_excess_from_times`). Charged (``value``) only where
     the ranks outnumber the machine's cores, so a collective's every ring step waits for a core

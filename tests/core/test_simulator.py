@@ -361,6 +361,10 @@ def test_piece_cost_fit_is_the_slope_per_piece_apart_from_what_stretches_the_byt
     assert fit([small, big])["value"] == pytest.approx(0.003)
     fewer_cost_more = fit([_run(77, 1.0, [2.0]), _run(280, 1.1, [1.9])])
     assert fewer_cost_more["value"] == 0.0 and fewer_cost_more["fitted_s"] < 0
+    # a stretch at 0 or below (the busy time doubled with the pieces, the closed forms barely moved: 4 ranks
+    # on 2 cores, compute-heavy, measured): the slope took all of it, so there is none to trust (kept as fitted)
+    all_slope = fit([_run(20, 0.1108, [0.2199]), _run(40, 0.1258, [0.4454])])
+    assert all_slope["value"] is None and all_slope["contention"] < 0 and all_slope["fitted_s"] > 0.01
     # no slope: as many pieces in both runs, or a run without a step
     assert fit([_run(16, 1.0, [1.2]), _run(16, 1.0, [1.3])])["value"] is None
     assert fit([big, {"steps": []}])["value"] is None
