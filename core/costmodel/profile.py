@@ -137,7 +137,8 @@ class Profile:
     (the topology's α-β cost, times ``comm_contention``): where ranks share a machine's cores,
     each collective's software steps wait for CPU. Measured by ``commsched profile`` in two short
     ``dynamic`` runs whose pieces differ in size, as the slope of the network's busy time per piece
-    (:func:`piece_cost_fit`; one run's :func:`link_excess_from_times` where no slope can be fitted),
+    (:func:`piece_cost_fit`; one run's :func:`link_excess_from_times` where no slope can be fitted or the
+    fit's stretch of the bytes is at 0 or below),
     and charged only where the ranks outnumber the machine's cores; 0 elsewhere and where not measured.
     ``two_level_phases``: how a two-level piece's phases run in this workload's step, measured
     (``commsched profile`` on several nodes of several ranks: two short ``dynamic`` runs with every
