@@ -90,7 +90,8 @@ BASELINE_KEYS = ("forward_s", "backward_s", "optimizer_s", "compute_s", "compute
                  "compute_under_comm_s", "under_comm_coverage", "comm_under_compute_s", "comm_contention",
                  "lower_bound_s", "contended_bound_s", "dependency_bound_s", "dependency_layer",
                  "combined_bound_s", "no_overlap_s",
-                 "ddp_model_s", "ceiling_speedup_vs_ddp")
+                 "ddp_model_s", "ceiling_speedup_vs_ddp", "stream_allreduces", "stream_alone_s",
+                 "compute_under_stream_s", "stream_coverage", "contention")
 #: Keys of every ``results[]`` entry, whatever its status.
 RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", "step_time_p25_s",
                "step_time_p75_s", "step_time_iqr_s", "mean_step_time_s", "step_time_per_rank_s",
@@ -198,7 +199,7 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     lower = max(compute, comm)
     under = fwd_uc + bwd_uc + opt_uc
     dependency = _dependency(ranks[0].get("layers"), fwd, bwd, optim, comm, max(under, comm))
-    return {
+    block = {
         "forward_s": fwd,
         "backward_s": bwd,
         "optimizer_s": optim,
@@ -222,7 +223,62 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
         "no_overlap_s": compute + comm,
         "ddp_model_s": fwd + max(bwd, comm) + optim,
         "ceiling_speedup_vs_ddp": (fwd + max(bwd, comm) + optim) / lower,
+        **_stream(ranks),
     }
+    block["contention"] = contention_from(block)[0]
+    return block
+
+
+def _stream(ranks: list[dict]) -> dict[str, Any]:
+    """The baseline's stream phase (``run_baseline``'s ``stream``: compute beside all-reduces that
+    outlast it, each such step after one alone): the slowest rank's medians, rank 0's coverage."""
+    streams = [r.get("stream") or {} for r in ranks]
+    if not streams or not streams[0].get("count"):
+        return dict.fromkeys(("stream_allreduces", "stream_alone_s", "compute_under_stream_s", "stream_coverage"))
+    alone = [median([sum(t) for t in s["alone_s"]]) for s in streams if s.get("alone_s")]
+    under = [median([sum(t) for t in s["under_s"]]) for s in streams if s.get("under_s")]
+    return {"stream_allreduces": streams[0]["count"], "stream_alone_s": max(alone) if alone else None,
+            "compute_under_stream_s": max(under) if under else None,
+            "stream_coverage": min(1.0, median([end / max(k, 1e-9) for k, end in streams[0]["span_s"]]))}
+
+
+def _contention_note(base: dict[str, Any]) -> str:
+    """The markdown's words for the baseline's ``contention``."""
+    if base.get("contention") is None:
+        return ""
+    if base.get("stream_allreduces"):
+        return (f"; compute runs {base['contention']:.2f}x slower beside communication (beside a stream of "
+                f"{base['stream_allreduces']} all-reduces, coverage {base['stream_coverage']:.2f}: "
+                f"{_fmt(base['compute_under_stream_s'])} s against {_fmt(base['stream_alone_s'])} s alone)")
+    return f"; compute runs {base['contention']:.2f}x slower beside communication"
+
+
+def contention_from(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """``(kappa, how)``: how many times slower compute runs while communication is in flight (the
+    simulator's ``Profile.contention``), from a baseline block.
+
+    With the stream phase: compute beside all-reduces that outlast it over the same compute alone,
+    each pair measured back to back. Without (older reports, other frameworks): compute beside one
+    all-reduce over the compute phase's. When the communication ended first (coverage c < 1 of
+    the compute's wall time U under it), only its first c·U ran slowed by κ: U = c·U + (C − c·U/κ),
+    so κ = c·U / (C − (1 − c)·U). At least 1."""
+    if baseline.get("compute_under_stream_s") and baseline.get("stream_alone_s"):
+        compute, under = baseline["stream_alone_s"], baseline["compute_under_stream_s"]
+        cover, source = baseline.get("stream_coverage") or 1.0, "stream"
+        what = ("compute beside a stream of all-reduces that outlasts it / the same compute alone, each pair "
+                "back to back")
+    else:
+        compute, under = baseline["compute_s"], baseline["compute_under_comm_s"]
+        cover, source = baseline["under_comm_coverage"], "one all-reduce"
+        what = ("compute_under_comm_s / compute_s, corrected for the part of the compute the all-reduce did "
+                "not overlap (coverage < 1)")
+    raw = under / compute if compute > 0 else 1.0
+    kappa = raw
+    denom = compute - (1 - cover) * under
+    if cover < 1 and denom > 0:
+        kappa = cover * under / denom
+    kappa = max(1.0, kappa)
+    return kappa, {"raw_ratio": raw, "coverage": cover, "value": kappa, "source": source, "how": what}
 
 
 def dependency_block(bound: Any, names: Sequence[str], contended_s: float) -> dict[str, Any]:
@@ -861,7 +917,7 @@ def markdown(report: dict) -> str:
                 f"- compute {base['compute_s']:.3f} s (forward {base['forward_s']:.3f}, backward "
                 f"{base['backward_s']:.3f}, optimizer {base['optimizer_s']:.3f}; one worker alone "
                 f"{_fmt(base['compute_one_worker_s'])}), under a concurrent all-reduce "
-                f"{_fmt(base['compute_under_comm_s'])} s")
+                f"{_fmt(base['compute_under_comm_s'])} s{_contention_note(base)}")
         else:
             lines.append(f"- compute (one worker alone) {base['compute_s']:.3f} s")
         lines.append(

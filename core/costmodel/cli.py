@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from commsched.bench.picture import draw_timeline
-from commsched.bench.report import (assemble_report, beats_dependency, dependency_block, markdown, median,
-                                    result_entry, write_json)
+from commsched.bench.report import (BASELINE_KEYS, assemble_report, beats_dependency, dependency_block, markdown,
+                                    median, result_entry, write_json)
 from commsched.config import SchedulerConfig
 from commsched.costmodel.bounds import bound_by_bytes
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
@@ -123,27 +123,41 @@ def dependency_fields(profile: Profile, comm_s: float, contended_s: float) -> di
     return dependency_block(bound if comm_s > 0 else None, [layer.name for layer in profile.layers], contended_s)
 
 
+def compute_beside_allreduce_s(profile: Profile, comm_s: float) -> float:
+    """The step's compute beside one all-reduce of ``comm_s`` started with it (the bench's
+    ``compute_under_comm_s``, which the contended bound takes): ``contention`` times slower while the
+    all-reduce runs (``comm_contention`` times its own length), at full speed once it ended."""
+    compute, kappa = profile.compute_s, profile.contention
+    return min(compute * kappa, compute + comm_s * profile.comm_contention * (1.0 - 1.0 / kappa))
+
+
 def predicted_report(profile: Profile, topology: Topology, results: list[SimResult], settings: SimSettings,
                      strategies: list[str], *, workload: str, batch_size: int | None,
                      timelines: dict[str, str] | None = None) -> dict[str, Any]:
     """The bench report schema, filled from the simulation (``"predicted": true``)."""
     comm = allreduce_s(topology, profile.grad_bytes, settings.algorithm) if topology.world_size > 1 else 0.0
     compute = profile.compute_s
-    contended = max(compute * profile.contention, comm)
+    kappa, beside = profile.contention, comm * profile.comm_contention
+    under = compute_beside_allreduce_s(profile, comm)
+    contended = max(under, comm)
     baseline = {
         "forward_s": profile.forward_s, "backward_s": profile.backward_s, "optimizer_s": profile.step_optimizer_s,
         "compute_s": compute, "compute_one_worker_s": None, "comm_s": comm, "comm_cpu_busy": None,
-        "comm_workers_cpu_busy": None, "forward_under_comm_s": profile.forward_s * profile.contention,
-        "backward_under_comm_s": profile.backward_s * profile.contention,
-        "compute_under_comm_s": compute * profile.contention, "under_comm_coverage": None,
+        "comm_workers_cpu_busy": None,
+        "forward_under_comm_s": profile.forward_s * under / compute if compute > 0 else 0.0,
+        "backward_under_comm_s": profile.backward_s * under / compute if compute > 0 else 0.0,
+        "compute_under_comm_s": under, "under_comm_coverage": min(1.0, beside / under) if under > 0 else None,
         "comm_under_compute_s": comm * profile.comm_contention, "comm_contention": profile.comm_contention,
         "lower_bound_s": max(compute, comm), "contended_bound_s": contended,
         **dependency_fields(profile, comm, contended),
         "no_overlap_s": compute + comm,
         "ddp_model_s": profile.forward_s + max(profile.backward_s, comm) + profile.step_optimizer_s,
+        "stream_allreduces": None, "stream_alone_s": None, "compute_under_stream_s": None, "stream_coverage": None,
     }
     baseline["ceiling_speedup_vs_ddp"] = (max(1.0, baseline["ddp_model_s"] / baseline["lower_bound_s"])
                                           if baseline["lower_bound_s"] else None)
+    baseline["contention"] = kappa
+    baseline = {key: baseline[key] for key in BASELINE_KEYS}
     samples = (batch_size or profile.batch_size or 1) * topology.world_size
     entries = []
     for r in results:
@@ -632,7 +646,7 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     comm = allreduce_s(topology, profile.grad_bytes, "ring") if topology.world_size > 1 else 0.0
     algo, algo_s = best_algorithm(topology, profile.grad_bytes) if topology.world_size > 1 else ("ring", 0.0)
     bound = max(profile.compute_s, comm)
-    dependency = dependency_fields(profile, comm, max(profile.compute_s * profile.contention, comm))
+    dependency = dependency_fields(profile, comm, max(compute_beside_allreduce_s(profile, comm), comm))
     reasons = []
     if comm <= profile.backward_s:
         reasons.append(f"communication ({comm:.3g} s) fits inside backward ({profile.backward_s:.3g} s): DDP "

@@ -82,8 +82,9 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: the slope over two piece sizes; 10: ``two_level_phases`` measured on several nodes of several ranks; 11: the
 #: ``dynamic`` runs measured with ``decide_ahead``, rank 0 publishing an ended step's rest at once; 12:
 #: ``two_level_skew_s``, the two-level runs' start skew, charged to two-level pieces; 13: a fit of
-#: ``per_piece_link_s`` whose stretch of the bytes is at 0 or below falls back to one run's excess).
-CACHE_VERSION = 13
+#: ``per_piece_link_s`` whose stretch of the bytes is at 0 or below falls back to one run's excess; 14:
+#: ``contention`` from compute beside a stream of all-reduces that outlasts it, where one all-reduce ended first).
+CACHE_VERSION = 14
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2
@@ -700,8 +701,9 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
     Rank 0's per-layer times are scaled to the bench's totals (:func:`_build`):
     forward, backward and optimizer of the slowest rank's medians, as
     ``commsched bench`` reports ``compute_s``. ``contention`` is the bench's compute
-    under the all-reduce over compute, corrected when the all-reduce ended before
-    the compute did (``meta['contention']`` shows how); ``comm_contention`` the same
+    beside a stream of all-reduces that outlasts it over the same compute alone, or where
+    one all-reduce lasted the whole compute, the compute under it over compute
+    (:func:`commsched.bench.report.contention_from`; ``meta['contention']`` shows how); ``comm_contention`` the same
     all-reduce under that compute over alone (:func:`commsched.bench.report.comm_contention`).
     ``per_piece_steal_s``: commsched's thread CPU per piece in a short ``dynamic`` run on every
     rank (:func:`_sched_cpu_per_piece`), the slowest rank's, times the machine's share (:func:`_steal`).
@@ -868,22 +870,11 @@ def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """Compute under a concurrent all-reduce / compute alone, from the bench's baseline.
+    """Compute under communication / compute alone, from the bench's baseline
+    (:func:`commsched.bench.report.contention_from`: the stream phase where it ran)."""
+    from commsched.bench.report import contention_from
 
-    When the all-reduce ended first (coverage c < 1 of the compute's wall time U),
-    only its first c·U ran slowed by κ: U = c·U + (C - c·U/κ), so κ = c·U / (C - (1 - c)·U).
-    """
-    compute, under = baseline["compute_s"], baseline["compute_under_comm_s"]
-    cover = baseline["under_comm_coverage"]
-    raw = under / compute if compute > 0 else 1.0
-    kappa = raw
-    denom = compute - (1 - cover) * under
-    if cover < 1 and denom > 0:
-        kappa = cover * under / denom
-    kappa = max(1.0, kappa)
-    return kappa, {"raw_ratio": raw, "coverage": cover, "value": kappa,
-                   "how": "compute_under_comm_s / compute_s, corrected for the part of the compute the "
-                          "all-reduce did not overlap (coverage < 1)"}
+    return contention_from(baseline)
 
 
 # -------------------------------------------------------------------- the worker

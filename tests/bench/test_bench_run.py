@@ -97,6 +97,15 @@ def test_loopback_run_writes_report_table_and_plot(tmp_path):
     assert "loopback" in proc.stderr  # says it runs unshaped
     assert report["config"]["workers"] == 2 and report["config"]["steps"] == 3
     assert BASELINE_KEYS <= report["baseline"].keys()
+    base = report["baseline"]
+    # compute beside all-reduces that outlast it, where one all-reduce did not (the stream phase)
+    # (skipped only where one all-reduce lasted the whole compute: rank 0's coverage)
+    if base["stream_allreduces"] is None:
+        assert base["under_comm_coverage"] >= 0.99 and base["compute_under_stream_s"] is None
+    else:
+        assert base["stream_allreduces"] >= 1 and base["compute_under_stream_s"] > 0
+        assert 0 < base["stream_coverage"] <= 1 and base["stream_alone_s"] > 0
+    assert base["contention"] >= 1.0
     assert report["workload"]["param_bytes"] > 0 and report["workload"]["layers"]
     assert [r["strategy"] for r in report["results"]] == ["ddp", "horovod"]
     ddp, horovod = report["results"]

@@ -35,6 +35,40 @@ def test_baseline_bounds_follow_their_definitions():
     assert base["comm_workers_cpu_busy"] == pytest.approx(2 * 1.0 / 2.0 / _cpus())
 
 
+def test_contention_without_the_stream_phase_is_corrected_for_the_all_reduce_s_coverage():
+    # compute 0.65 alone, 0.75 beside one all-reduce that ended at 0.5 s (coverage 2/3): 0.5 s ran
+    # kappa times slower, 0.5 / kappa of work done, the other 0.65 - 0.5 / kappa after it at full speed
+    base = _report([])["baseline"]
+    assert base["stream_allreduces"] is None and base["compute_under_stream_s"] is None
+    assert base["contention"] == pytest.approx(1.25)
+    assert 0.5 + (0.65 - 0.5 / base["contention"]) == pytest.approx(0.75)
+
+
+def _streamed(alone, under, span):
+    ranks = [_baseline_rank(0), _baseline_rank(1)]
+    for r in ranks:
+        r["stream"] = {"count": 3, "alone_s": [alone] * 3, "under_s": [under] * 3, "span_s": [span] * 3}
+    return build_report(CONFIG, "netns", "note", {"name": "tiny"}, PhaseResult("baseline", "ok", ranks), [])
+
+
+def test_contention_comes_from_the_stream_phase_where_it_ran():
+    # beside a stream that outlasted it (ended at 1.2 s, compute at 1.0): 1.0 / 0.65
+    base = _streamed([0.2, 0.4, 0.05], [0.3, 0.6, 0.1], [1.0, 1.2])["baseline"]
+    assert base["stream_allreduces"] == 3 and base["stream_coverage"] == 1.0
+    assert base["stream_alone_s"] == pytest.approx(0.65) and base["compute_under_stream_s"] == pytest.approx(1.0)
+    assert base["contention"] == pytest.approx(1.0 / 0.65)
+    # the compute-beside-one-all-reduce fields, the contended bound's, are the phase before's
+    assert base["compute_under_comm_s"] == pytest.approx(0.75)
+
+
+def test_contention_from_a_stream_that_ended_first_is_corrected_for_its_coverage():
+    # the stream ended at 0.5 s of the 1.0: 0.5 s slowed, then 0.65 - 0.5 / kappa at full speed
+    base = _streamed([0.2, 0.4, 0.05], [0.3, 0.6, 0.1], [1.0, 0.5])["baseline"]
+    assert base["stream_coverage"] == pytest.approx(0.5)
+    kappa = base["contention"]
+    assert 0.5 + (0.65 - 0.5 / kappa) == pytest.approx(1.0) and kappa == pytest.approx(0.5 / 0.15)
+
+
 def _layered_baseline():
     """Rank 0 with two layers of 500 bytes, 10 ms of forward each (alone), ready 100 and 50 ms into
     backward; the baseline phase of both ranks."""

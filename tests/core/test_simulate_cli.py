@@ -9,7 +9,7 @@ import pytest
 
 from commsched.bench.report import BASELINE_KEYS, REPORT_KEYS, RESULT_KEYS
 from commsched.cli import main
-from commsched.costmodel.cli import _grid, advise, kendall_tau
+from commsched.costmodel.cli import _grid, advise, compute_beside_allreduce_s, kendall_tau
 from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
 from commsched.costmodel.topology import Topology
 
@@ -50,6 +50,17 @@ def test_simulate_writes_the_bench_schema_marked_predicted(tmp_path, capsys):
     assert base["combined_bound_s"] == max(base["contended_bound_s"], base["dependency_bound_s"])
     dynamic = by["dynamic"]
     assert dynamic["efficiency_combined"] == pytest.approx(base["combined_bound_s"] / dynamic["step_time_s"])
+
+
+def test_compute_beside_one_all_reduce_is_slowed_only_while_it_runs():
+    layers = (LayerProfile("l0", 0.25, 0.5, (TensorSpec("l0.w", MB),), apply_s=0.25),)  # compute 1.0 s
+    prof = Profile(layers=layers, batch_size=1, source="test", contention=2.0, comm_contention=1.5)
+    assert prof.compute_s == pytest.approx(1.0)
+    # the all-reduce runs 0.4 x 1.5 = 0.6 s beside compute, half of which is lost: 1.3 s
+    assert compute_beside_allreduce_s(prof, 0.4) == pytest.approx(1.3)
+    # one that outlasts the compute slows all of it: 2.0 s
+    assert compute_beside_allreduce_s(prof, 3.0) == pytest.approx(2.0)
+    assert compute_beside_allreduce_s(dataclasses.replace(prof, contention=1.0), 0.4) == pytest.approx(1.0)
 
 
 def test_simulate_reports_the_pieces_that_waited_the_profiles_handoff(tmp_path):

@@ -26,6 +26,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import math
 import os
 import signal
 import struct
@@ -181,6 +182,7 @@ def run_baseline(spec: dict, rank: int, progress: Progress) -> dict:
         under.append((t1 - t0, landed.at(timeout=1.0) - t0))
         done += 1
         progress("baseline", done, total)
+    result["stream"] = _stream_phase(spec, step, flat, phases["all"], comm, under, reps)
     _barrier()
     result.update({
         "forward_s": [t[0] for t in phases["all"]],
@@ -195,6 +197,97 @@ def run_baseline(spec: dict, rank: int, progress: Progress) -> dict:
         "under_comm_span_s": under,
     })
     return result
+
+
+#: The stream of all-reduces under which :func:`_stream_phase` computes lasts this many times the compute.
+STREAM_COVER = 1.25
+#: At most this many all-reduces in one stream (a step far longer than one all-reduce of its bytes).
+STREAM_MAX = 64
+#: The stream phase runs only where the one all-reduce beside a step covered less than this share of it.
+STREAM_NEEDED_BELOW = 0.99
+
+
+def _stream_phase(spec: dict, step: Callable, flat: torch.Tensor, alone: list, comm: list, under: list,
+                  reps: int) -> dict[str, Any]:
+    """Compute under communication that outlasts it, each such step beside one alone (``contention``).
+
+    The phase before times compute beside one all-reduce of every gradient byte, which ends first
+    where the compute is longer (compute-heavy: it covered a quarter of the step); the share of the
+    step it slowed is then a few per cent of the compute, inside this machine's noise, and the
+    correction for the part it did not cover multiplies that noise by four (measured on compute-heavy:
+    contention 1.17 and 1.95 from two baselines of the same flags, minutes apart). Here a thread runs
+    ``count`` such all-reduces one after another while the step computes, so the whole compute runs
+    beside communication, and each such step follows one alone behind the same barrier, so a drift of
+    the machine's speed between them cancels. ``count`` (``ceil(STREAM_COVER x compute / all-reduce)``)
+    is rank 0's, broadcast so every rank issues as many collectives; where the phase before's all-reduce
+    lasted the whole compute (rank 0's coverage at least :data:`STREAM_NEEDED_BELOW`), its ratio is the
+    slowdown itself and the phase is skipped (``count`` 0).
+    """
+    compute = _median_of([sum(t) for t in alone])
+    allreduce = _median_of(comm)
+    cover = _median_of([c / max(k, 1e-9) for k, c in under])
+    wanted = math.ceil(STREAM_COVER * compute / max(allreduce, 1e-6))
+    agreed = torch.tensor([min(STREAM_MAX, max(1, wanted)) if cover < STREAM_NEEDED_BELOW else 0])
+    dist.broadcast(agreed, src=0)
+    count = int(agreed.item())
+    if count == 0:
+        return {"count": 0, "alone_s": [], "under_s": [], "span_s": []}
+    timeout = spec["collective_timeout_s"]
+    alone_steps: list = []
+    under_steps: list = []
+    spans = []
+    for _ in range(reps):
+        _barrier()
+        step(alone_steps)
+        _barrier()
+        stream = _Stream(flat, count)
+        t0 = time.perf_counter()
+        stream.start()
+        step(under_steps)
+        t1 = time.perf_counter()
+        ended = stream.join(timeout * count)  # each all-reduce has the process group's timeout too
+        spans.append((t1 - t0, ended - t0))  # compute ended / the stream ended, from its start
+    return {"count": count, "alone_s": [list(t) for t in alone_steps], "under_s": [list(t) for t in under_steps],
+            "span_s": spans}
+
+
+class _Stream:
+    """``count`` all-reduces of ``flat``, one after another, on a thread of their own."""
+
+    def __init__(self, flat: torch.Tensor, count: int) -> None:
+        self._flat, self._count = flat, count
+        self._failed: list[BaseException] = []
+        self._ended = 0.0
+        self._thread = threading.Thread(target=self._run, name="bench-stream", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            for _ in range(self._count):
+                dist.all_reduce(self._flat)
+            self._ended = time.perf_counter()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by join()
+            self._failed.append(exc)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> float:
+        """When the last all-reduce ended (``time.perf_counter()``); its error, or a timeout, raised."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the baseline's stream of {self._count} all-reduces did not end within "
+                               f"{timeout} s (collective_timeout_s)")
+        if self._failed:
+            raise self._failed[0]
+        return self._ended
+
+
+def _median_of(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        return 0.0
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
 
 
 class StepTimers:
