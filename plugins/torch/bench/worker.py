@@ -227,7 +227,8 @@ def _stream_phase(spec: dict, step: Callable, flat: torch.Tensor, alone: list, c
     allreduce = _median_of(comm)
     cover = _median_of([c / max(k, 1e-9) for k, c in under])
     wanted = math.ceil(STREAM_COVER * compute / max(allreduce, 1e-6))
-    agreed = torch.tensor([min(STREAM_MAX, max(1, wanted)) if cover < STREAM_NEEDED_BELOW else 0])
+    needed = cover < STREAM_NEEDED_BELOW and dist.get_world_size() > 1  # one rank: nothing on a network
+    agreed = torch.tensor([min(STREAM_MAX, max(1, wanted)) if needed else 0])
     dist.broadcast(agreed, src=0)
     count = int(agreed.item())
     if count == 0:
