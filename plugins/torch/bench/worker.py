@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from commsched.bench.cpu import CpuWindow
+from commsched.bench.report import median
 from commsched.timeline import rank_path
 from commsched.plugins.torch.bench.strategies import (
     StrategyUnavailable,
@@ -223,9 +224,9 @@ def _stream_phase(spec: dict, step: Callable, flat: torch.Tensor, alone: list, c
     lasted the whole compute (rank 0's coverage at least :data:`STREAM_NEEDED_BELOW`), its ratio is the
     slowdown itself and the phase is skipped (``count`` 0).
     """
-    compute = _median_of([sum(t) for t in alone])
-    allreduce = _median_of(comm)
-    cover = _median_of([c / max(k, 1e-9) for k, c in under])
+    compute = median([sum(t) for t in alone]) or 0.0
+    allreduce = median(comm) or 0.0
+    cover = median([c / max(k, 1e-9) for k, c in under]) or 0.0
     wanted = math.ceil(STREAM_COVER * compute / max(allreduce, 1e-6))
     needed = cover < STREAM_NEEDED_BELOW and dist.get_world_size() > 1  # one rank: nothing on a network
     agreed = torch.tensor([min(STREAM_MAX, max(1, wanted)) if needed else 0])
@@ -281,14 +282,6 @@ class _Stream:
         if self._failed:
             raise self._failed[0]
         return self._ended
-
-
-def _median_of(values: list[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    if n == 0:
-        return 0.0
-    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
 
 
 class StepTimers:
