@@ -213,7 +213,7 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
         "compute_under_comm_s": under,
         # Below 1 the all-reduce ended before compute did: only part of the
         # compute ran under communication.
-        "under_comm_coverage": min(1.0, median([c / max(k, 1e-9) for k, c in spans])),
+        "under_comm_coverage": coverage(spans),
         # the other way round: the all-reduce under compute / alone (rank 0's own medians)
         "comm_under_compute_s": median([c for _, c in spans]),
         "comm_contention": comm_contention(spans, median(ranks[0].get("comm_s") or [])),
@@ -229,6 +229,12 @@ def summarize_baseline(ranks: list[dict]) -> dict[str, Any]:
     return block
 
 
+def coverage(spans: Sequence[Sequence[float]]) -> float:
+    """The median share of a compute's wall time that communication started with it lasted, at most 1,
+    from ``(compute ended, communication ended)`` pairs, both from their common start."""
+    return min(1.0, median([end / max(compute, 1e-9) for compute, end in spans]) or 0.0)
+
+
 def _stream(ranks: list[dict]) -> dict[str, Any]:
     """The baseline's stream phase (``run_baseline``'s ``stream``: compute beside all-reduces that
     outlast it, each such step after one alone): the slowest rank's medians, rank 0's coverage."""
@@ -239,7 +245,7 @@ def _stream(ranks: list[dict]) -> dict[str, Any]:
     under = [median([sum(t) for t in s["under_s"]]) for s in streams if s.get("under_s")]
     return {"stream_allreduces": streams[0]["count"], "stream_alone_s": max(alone) if alone else None,
             "compute_under_stream_s": max(under) if under else None,
-            "stream_coverage": min(1.0, median([end / max(k, 1e-9) for k, end in streams[0]["span_s"]]))}
+            "stream_coverage": coverage(streams[0]["span_s"])}
 
 
 def _contention_note(base: dict[str, Any]) -> str:

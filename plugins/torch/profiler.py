@@ -712,7 +712,7 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
 
     from commsched.bench.netns import NetworkSetupError, make_cluster
     from commsched.bench.procs import signals_raise
-    from commsched.bench.report import summarize_baseline
+    from commsched.bench.report import contention_from, summarize_baseline
     from commsched.bench.runner import RunConfig, Runner, make_work_dir
 
     config = RunConfig(workload=workload, workers=workers, nodes=nodes, bandwidth=bandwidth,
@@ -731,7 +731,7 @@ def profile_workload(workload: str, *, batch_size: int, workers: int, nodes: int
         raise RuntimeError(f"profiling {workload} failed: {phase.reason} (logs in {work_dir})")
     baseline = summarize_baseline(phase.ranks)
     r0 = phase.ranks[0]["profile"]
-    contention, how = _contention(baseline)
+    contention, how = contention_from(baseline)
     meta = {
         "workload": workload, "workers": workers, "nodes": nodes, "bandwidth": bandwidth,
         "intra_bandwidth": intra_bandwidth, "network": network, "emulation": cluster.emulation,
@@ -867,14 +867,6 @@ def _grad_hook(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                    "Scheduler.submit and the launches it makes) in a short dynamic run, the slowest rank: per "
                    "gradient from the hooks that only joined a fusion group, per task the excess of those that "
                    "submitted one (all hooks per gradient where there were no fused gradients)"}
-
-
-def _contention(baseline: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """Compute under communication / compute alone, from the bench's baseline
-    (:func:`commsched.bench.report.contention_from`: the stream phase where it ran)."""
-    from commsched.bench.report import contention_from
-
-    return contention_from(baseline)
 
 
 # -------------------------------------------------------------------- the worker

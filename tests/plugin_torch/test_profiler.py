@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
+from commsched.bench.report import contention_from
 from commsched.costmodel.profile import Profile, steal_share
 from commsched.plugins.torch.profiler import (
     SCHED_CPU_STEPS,
     TWO_LEVEL_STEPS,
-    _contention,
     _steal,
     format_profile,
     load_or_profile,
@@ -196,9 +196,9 @@ def test_the_profile_survives_a_json_round_trip(tmp_path):
 def test_contention_is_corrected_when_the_all_reduce_ends_before_the_compute():
     # compute 1 s alone, 1.5x slower under comm, all-reduce over after 0.6 s of wall time:
     # 0.4 s of work under it, 0.6 s alone after it -> 1.2 s, coverage 0.5
-    kappa, how = _contention({"compute_s": 1.0, "compute_under_comm_s": 1.2, "under_comm_coverage": 0.5})
+    kappa, how = contention_from({"compute_s": 1.0, "compute_under_comm_s": 1.2, "under_comm_coverage": 0.5})
     assert kappa == pytest.approx(1.5) and how["raw_ratio"] == pytest.approx(1.2)
-    assert _contention({"compute_s": 1.0, "compute_under_comm_s": 1.3, "under_comm_coverage": 1.0})[0] \
+    assert contention_from({"compute_s": 1.0, "compute_under_comm_s": 1.3, "under_comm_coverage": 1.0})[0] \
         == pytest.approx(1.3)
 
 

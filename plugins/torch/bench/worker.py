@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from commsched.bench.cpu import CpuWindow
-from commsched.bench.report import median
+from commsched.bench.report import coverage, median
 from commsched.timeline import rank_path
 from commsched.plugins.torch.bench.strategies import (
     StrategyUnavailable,
@@ -226,7 +226,7 @@ def _stream_phase(spec: dict, step: Callable, flat: torch.Tensor, alone: list, c
     """
     compute = median([sum(t) for t in alone]) or 0.0
     allreduce = median(comm) or 0.0
-    cover = median([c / max(k, 1e-9) for k, c in under]) or 0.0
+    cover = coverage(under)
     wanted = math.ceil(STREAM_COVER * compute / max(allreduce, 1e-6))
     needed = cover < STREAM_NEEDED_BELOW and dist.get_world_size() > 1  # one rank: nothing on a network
     agreed = torch.tensor([min(STREAM_MAX, max(1, wanted)) if needed else 0])
