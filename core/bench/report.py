@@ -107,7 +107,7 @@ ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "
 ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
 ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s",
-                   "profile_drift", "engine", "bucket_bytes")
+                   "profile_drift", "engine", "bucket_bytes", "planner_order", "planner_digest")
 #: Keys of ``calibration``, when it is not ``null``.
 CALIBRATION_KEYS = ("expected_regime", "measured_regime", "compute_over_comm", "matches", "calibrated",
                     "default_batch_size", "batch_size", "target_compute_over_comm", "trials", "method")
@@ -530,7 +530,10 @@ def round_plan(stats: Any) -> dict[str, Any] | None:
             # the cached profile's compute against this run's baseline, which the plan was scaled to (None: as cached)
             "profile_drift": info.get("profile_drift"),
             # "reducer": the plan named DDP's engine with buckets of bucket_bytes (older reports: None, commsched's)
-            "engine": info.get("engine"), "bucket_bytes": info.get("bucket_bytes")}
+            "engine": info.get("engine"), "bucket_bytes": info.get("bucket_bytes"),
+            # planned+order=<order>: the order the planner chose, and the digest of its plan (None: not forced)
+            "planner_order": (predicted.get("order_forced") or {}).get("planner_order"),
+            "planner_digest": (predicted.get("order_forced") or {}).get("planner_digest")}
 
 
 def round_tuner(stats: Any) -> dict[str, Any] | None:
@@ -1049,6 +1052,8 @@ def rounds_table(results: list[dict]) -> list[str]:
                          f"{plan['groups']} groups, {plan['pieces']} pieces, credit {_fmt(credit, '.2f')} MiB, "
                          f"{'/'.join(plan['algorithms'] or [])}"
                          + (f", {plan['order']} order" if plan.get("order") else "")
+                         + (f" (forced; the planner's: {plan['planner_order']}, plan "
+                            f"{str(plan.get('planner_digest'))[:12]})" if plan.get("planner_order") else "")
                          + (f", engine: DDP's reducer, buckets {plan['bucket_bytes'] / (1 << 20):g} MiB"
                             if plan.get("engine") == "reducer" and plan.get("bucket_bytes") else "")
                          + (f"; profile scaled {plan['profile_drift']:+.1%} to this run's compute"

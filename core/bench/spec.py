@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from commsched.config import parse_fusion, parse_nice, parse_size
+from commsched.plan import ORDERS
 from commsched.tuner import UNLIMITED_BYTES  # what ``none`` means in ``dynamic:<partition>/<credit>``
 
 #: The strategies whose piece size and credit a strategy name may set: ``dynamic:1MiB/4MiB`` (a point
@@ -57,6 +58,10 @@ class StrategySpec:
     #: ``<commsched strategy>+noverify``: ``SchedulerConfig(verify_order=False)``, no check of each fifo step's
     #: order after it (:mod:`commsched.order_check`): what that check costs, side by side
     verify_order: bool = True
+    #: ``planned+order=<fixed|priority|observed>``: the plan's pieces (groups, sizes, algorithms, credit) go in
+    #: that order instead of the one the planner chose (:data:`commsched.plan.ORDERS`); None: the planner's.
+    #: What the order costs or gains, side by side with the same pieces
+    plan_order: str | None = None
 
     @property
     def is_commsched(self) -> bool:
@@ -103,7 +108,8 @@ def parse_strategies(text: str) -> list[StrategySpec]:
                                          decide_ahead="noahead" not in kinds,
                                          ready_reports="noreports" not in kinds,
                                          verify_order="noverify" not in kinds,
-                                         thread_nice=_nice(name, modifiers)))
+                                         thread_nice=_nice(name, modifiers),
+                                         plan_order=plan_order_of(name, modifiers)))
     if not specs:
         raise ValueError("no strategy given; e.g. --strategies ddp,ddp:4,dynamic")
     if len({s.name for s in specs}) != len(specs):
@@ -120,9 +126,10 @@ MODIFIERS = {
     "noreports": "+noreports (rank 0 decides on its own readiness, without the other ranks' ready reports)",
     "nice": "+nice=<n> (commsched's threads n steps below the training thread's CPU priority, 0-19)",
     "noverify": "+noverify (no check of each fifo step's order after it)",
+    "order": "+order=<fixed|priority|observed> (planned only: the plan's pieces in that order, not the planner's)",
 }
-#: the modifiers that take a value (``+fuse=<size>``, ``+nice=<n>``)
-VALUED = ("fuse", "nice")
+#: the modifiers that take a value (``+fuse=<size>``, ``+nice=<n>``, ``+order=<order>``)
+VALUED = ("fuse", "nice", "order")
 
 
 def _nice(name: str, modifiers: list[str]) -> int | None:
@@ -137,21 +144,34 @@ def _nice(name: str, modifiers: list[str]) -> int | None:
     return None
 
 
+def plan_order_of(name: str, modifiers: list[str]) -> str | None:
+    """The order of ``+order=<order>`` among ``modifiers`` (checked by :func:`parse_modifiers`), else None;
+    ``ValueError`` naming the strategy for an order :data:`commsched.plan.ORDERS` does not have."""
+    for m in modifiers:
+        kind, _, value = m.partition("=")
+        if kind == "order":
+            if value not in ORDERS:
+                raise ValueError(f"strategy {name!r}: +order takes one of {', '.join(ORDERS)} "
+                                 "(e.g. planned+order=priority)")
+            return value
+    return None
+
+
 def parse_modifiers(name: str, modifiers: list[str], *, commsched: bool, planned: bool,
                     allowed: tuple[str, ...] = tuple(MODIFIERS)) -> tuple[frozenset[str], int | None]:
     """The ``+`` modifiers of strategy ``name`` (``modifiers``: what follows its base, split at ``+``):
     which of ``allowed`` it has, and the size of ``+fuse=<size>`` (None without one). ``ValueError``
     naming the strategy: a modifier not allowed, repeated, with a value where it takes none (only
-    :data:`VALUED` ones take one), on a
-    strategy commsched does not run, or ``+fuse`` on ``planned``. The bench and the simulator both
-    read names with it (``commsched simulate`` predicts what ``commsched bench`` runs)."""
+    :data:`VALUED` ones take one), on a strategy commsched does not run, ``+fuse`` on ``planned``, or
+    ``+order`` on anything else. The bench and the simulator both read names with it (``commsched
+    simulate`` predicts what ``commsched bench`` runs)."""
     kinds = [m.partition("=")[0] for m in modifiers]
     if modifiers and (not commsched or not set(kinds) <= set(allowed) or len(set(kinds)) != len(kinds)
                       or any(m != k and k not in VALUED for m, k in zip(modifiers, kinds, strict=True))
-                      or ("fuse" in kinds and planned)):
+                      or ("fuse" in kinds and planned) or ("order" in kinds and not planned)):
         listed = [MODIFIERS[k] for k in allowed]
         raise ValueError(f"strategy {name!r}: the modifiers are {', '.join(listed[:-1])} and {listed[-1]}, each "
-                         "once, on a commsched strategy (e.g. dynamic+tied, fifo+fuse=4MiB)")
+                         "once, on a commsched strategy (e.g. dynamic+tied, fifo+fuse=4MiB, planned+order=priority)")
     fusion = None
     for m in modifiers:
         if m.partition("=")[0] == "fuse":

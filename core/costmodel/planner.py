@@ -71,7 +71,8 @@ from commsched.costmodel.topology import Topology
 from commsched.plan import ALGORITHMS, ORDERS, Plan, PlanGroup, PlannedPiece, fused_name
 from commsched.partition import piece_bounds
 
-__all__ = ["ALGORITHM_RULES", "PlanResult", "PlanSearch", "greedy_plan", "make_groups", "make_plan", "solve_order"]
+__all__ = ["ALGORITHM_RULES", "PlanResult", "PlanSearch", "greedy_plan", "make_groups", "make_plan", "solve_order",
+           "with_order"]
 
 KIB, MIB = 1 << 10, 1 << 20
 #: The greedy grid's point that is the runtime's default (``dynamic``'s settings, as a plan): the
@@ -648,3 +649,25 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
     final = dataclasses.replace(best_plan, topology=topology.to_dict(), predicted=predicted, meta=meta)
     return PlanResult(plan=final, predicted=best_result, stages=stages, solver=solver, candidates=scored[0],
                       seconds=time.monotonic() - started)
+
+
+def with_order(plan: Plan, profile: Profile, topology: Topology, order: str,
+               search: PlanSearch | None = None) -> Plan:
+    """``plan`` with its pieces (groups, sizes, algorithms, credit) issued in ``order``
+    (:data:`commsched.plan.ORDERS`) instead of the one :func:`make_plan` chose, and its prediction
+    simulated again for that order (``profile`` and ``topology``: the ones it was made from).
+    ``predicted["order_forced"]`` keeps the planner's order and its predicted step, so a side-by-side
+    run of both orders (the bench's ``planned+order=<order>``) says what the order costs. The plan
+    itself unchanged where ``order`` is its own."""
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r}: use one of {', '.join(ORDERS)}")
+    if order == plan.order:
+        return plan
+    steps = (search or PlanSearch.for_profile(profile)).simulated_steps
+    forced = dataclasses.replace(plan, order=order)
+    result = simulate(profile, topology, "planned", SimSettings(steps=steps, trace=False), plan=forced)
+    predicted = dict(plan.predicted, step_time_s=result.step_time_s, exposed_comm_s=result.exposed_comm_s,
+                     overlap_ratio=result.overlap_ratio,
+                     order_forced={"planner_order": plan.order, "planner_digest": plan.digest,
+                                   "planner_step_s": plan.predicted.get("step_time_s")})
+    return dataclasses.replace(forced, predicted=predicted)

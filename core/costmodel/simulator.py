@@ -77,7 +77,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
-from commsched.bench.spec import parse_modifiers
+from commsched.bench.spec import parse_modifiers, plan_order_of
 from commsched.costmodel.collectives import allreduce_phases, allreduce_s
 from commsched.costmodel.profile import Profile, TensorSpec, merged_spans, overlap_s
 from commsched.costmodel.slack import slack_order
@@ -177,19 +177,23 @@ class StrategyModel:
     #: commsched only: the next forward overlaps the reductions (True), or ``step()`` waits for them
     #: all and runs the optimizer once, as DDP does (False: ``sync``, the synchronous path)
     cross_iteration: bool = True
+    #: ``planned+order=<order>``: the plan's pieces in that order, not the plan's own (None: the plan's)
+    plan_order: str | None = None
 
 
 def parse_sim_strategy(name: str) -> StrategyModel:
     """``ddp``, ``ddp:<MB>``, ``horovod``, ``allreduce``, ``fifo``, ``sync`` (fifo on the synchronous
     path), ``dynamic``, ``static``, ``hierarchical``, ``planned``, ``slack``; a commsched one may end in
     ``+tied`` (``dynamic+tied``: the tied embedding split) and ``+fuse=<size>`` (``fifo+fuse=4MiB``: its
-    own fusion threshold; ``sync+fuse=25MiB``: DDP's shape), as ``commsched bench`` runs them."""
+    own fusion threshold; ``sync+fuse=25MiB``: DDP's shape) and ``planned`` in ``+order=<order>``
+    (``planned+order=priority``: the plan's pieces in that order), as ``commsched bench`` runs them."""
     base, *modifiers = name.strip().split("+")
     if modifiers:
         model = parse_sim_strategy(base)
         kinds, fusion = parse_modifiers(name.strip(), modifiers, commsched=model.kind == "commsched",
-                                        planned=model.ordering == "planned", allowed=("tied", "fuse"))
-        return replace(model, name=name.strip(), split_tied="tied" in kinds, fusion_bytes=fusion)
+                                        planned=model.ordering == "planned", allowed=("tied", "fuse", "order"))
+        return replace(model, name=name.strip(), split_tied="tied" in kinds, fusion_bytes=fusion,
+                       plan_order=plan_order_of(name.strip(), modifiers))
     kind, _, arg = name.strip().partition(":")
     if kind == "reducer":  # torch's reducer under commsched's optimizer: DDP's engine, with explicit buckets
         arg = arg or "25"
@@ -492,19 +496,19 @@ def simulate(profile: Profile, topology: Topology, strategy: str | StrategyModel
     """Simulate ``settings.steps`` steps of ``strategy``; the result is per step, steady state.
 
     ``planned`` needs ``plan`` (its groups must name the profile's tensors). ``plan_order``
-    (default: the plan's own ``order``): ``"fixed"`` walks the plan's listed order; with
-    ``"priority"`` the plan's groups, piece sizes and algorithms are kept but
+    (default: the strategy's ``+order=<order>``, else the plan's own ``order``): ``"fixed"`` walks the
+    plan's listed order; with ``"priority"`` the plan's groups, piece sizes and algorithms are kept but
     its order is not: ready pieces go by (step, first tensor of the group in forward
     order, index) within the credit, as ``dynamic`` does; ``issue_order`` then is that
     earliest-due-date order (how the planner makes its greedy plan). ``"observed"`` (step 0's
     order replayed, as ``static``) is modelled as ``"priority"``, as ``static`` is as ``dynamic``:
     in a simulated steady state every step sees the same readiness, so step 0's order is it."""
-    if plan_order is None:
-        plan_order = plan.order if plan is not None else "fixed"
-    if plan_order not in ORDERS:
-        raise ValueError(f"plan_order={plan_order!r}: use one of {', '.join(ORDERS)}")
     settings = settings or SimSettings()
     model = parse_sim_strategy(strategy) if isinstance(strategy, str) else strategy
+    if plan_order is None:
+        plan_order = model.plan_order or (plan.order if plan is not None else "fixed")
+    if plan_order not in ORDERS:
+        raise ValueError(f"plan_order={plan_order!r}: use one of {', '.join(ORDERS)}")
     if model.fusion_bytes is not None:
         settings = replace(settings, fusion_bytes=model.fusion_bytes)
     algorithm = model.algorithm or settings.algorithm

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -212,3 +213,42 @@ def test_noahead_noreports_nice_and_noverify_reach_the_torch_strategy(monkeypatc
                     ("dynamic", True, False, None, True), ("auto", False, False, None, True),
                     ("dynamic", True, False, 10, True), ("auto", True, True, 0, True),
                     ("fifo", True, True, None, False), ("fifo", True, True, None, False)]
+
+
+def test_order_forces_the_plans_order_on_planned_only(monkeypatch):
+    specs = parse_strategies("planned,planned+order=priority,planned+tied+order=observed,planned+order=fixed")
+    assert [s.plan_order for s in specs] == [None, "priority", "observed", "fixed"]
+    assert specs[2].split_tied and all(s.kind == "planned" for s in specs)
+    for bad in ("dynamic+order=priority", "ddp+order=fixed", "planned+order=fixed+order=fixed"):
+        with pytest.raises(ValueError, match=r"\+order=<fixed\|priority\|observed> \(planned only"):
+            parse_strategies(bad)
+    for bad in ("planned+order=sideways", "planned+order"):
+        with pytest.raises(ValueError, match=rf"'{re.escape(bad)}': \+order takes one of fixed, priority, "
+                                             r"observed \(e\.g\. planned\+order=priority\)"):
+            parse_strategies(bad)
+    pytest.importorskip("torch")
+    import commsched.plugins.torch.bench.strategies as strategies
+
+    made = []
+
+    class Recorder:
+        def __init__(self, model, make_opt, run_spec, rank, timeline, **kw):
+            made.append((kw["split_tied"], kw["order"]))
+
+    monkeypatch.setattr(strategies, "PlannedStrategy", Recorder)
+    for spec in specs:
+        strategies.make_strategy(spec, None, None, run_spec={}, rank=0, timeline=None)
+    assert made == [(False, None), (False, "priority"), (True, "observed"), (False, "fixed")]
+
+
+def test_a_planned_rounds_report_says_which_order_was_forced_over_the_planners():
+    from commsched.bench.report import ROUND_PLAN_KEYS, round_plan
+
+    info = {"digest": "b" * 64, "predicted": {"step_time_s": 1.2, "order_forced": {
+        "planner_order": "fixed", "planner_digest": "a" * 64, "planner_step_s": 1.1}},
+        "groups": 3, "pieces": 9, "credit_bytes": 4 << 20, "algorithms": ["hierarchical"], "order": "priority"}
+    row = round_plan({"plan_file": info})
+    assert set(row) == set(ROUND_PLAN_KEYS)
+    assert (row["order"], row["planner_order"], row["planner_digest"]) == ("priority", "fixed", "a" * 64)
+    info["predicted"] = {"step_time_s": 1.1}
+    assert round_plan({"plan_file": info})["planner_order"] is None

@@ -395,3 +395,39 @@ def test_commsched_plan_names_ddps_engine_where_it_hides_the_communication_unles
     assert "engine: commsched;" in off.stdout and Plan.from_json(str(path)).engine == "commsched"
     bad, _ = runs["0"]
     assert bad.returncode == 2 and "reducer_buckets" in bad.stderr
+
+
+# ---------------------------------------------------------------- a forced order (planned+order=<order>)
+def test_with_order_keeps_the_pieces_replaces_the_order_and_predicts_it_again():
+    from commsched.costmodel.planner import with_order
+
+    prof = model([[4 * MB], [4 * MB], [4 * MB]], fwd=0.005, bwd=0.01)
+    plan = make_plan(prof, two_level(), QUICK).plan
+    other = "priority" if plan.order != "priority" else "fixed"
+    forced = with_order(plan, prof, two_level(), other, QUICK)
+    assert forced.order == other and forced.digest != plan.digest  # the ranks agree on the order too
+    assert [(p.task, p.index, p.algorithm) for p in forced.pieces] == [(p.task, p.index, p.algorithm)
+                                                                       for p in plan.pieces]
+    assert forced.groups == plan.groups and forced.credit_bytes == plan.credit_bytes
+    again = simulate(prof, two_level(), "planned", SimSettings(steps=QUICK.simulated_steps, trace=False),
+                     plan=plan, plan_order=other)
+    assert forced.predicted["step_time_s"] == pytest.approx(again.step_time_s)
+    assert forced.predicted["order_forced"] == {"planner_order": plan.order, "planner_digest": plan.digest,
+                                                "planner_step_s": plan.predicted["step_time_s"]}
+    assert with_order(plan, prof, two_level(), plan.order, QUICK) is plan
+    with pytest.raises(ValueError, match=r"order='sideways'.*fixed, priority, observed"):
+        with_order(plan, prof, two_level(), "sideways", QUICK)
+
+
+def test_the_simulator_runs_planned_in_the_order_its_name_forces():
+    prof = model([[4 * MB], [64 * KB], [4 * MB], [2 * MB]], fwd=0.004, bwd=0.012)
+    plan = make_plan(prof, flat(), QUICK).plan
+    settings = SimSettings(steps=3, trace=False)
+    for order in ("fixed", "priority", "observed"):
+        named = simulate(prof, flat(), f"planned+order={order}", settings, plan=plan)
+        direct = simulate(prof, flat(), "planned", settings, plan=plan, plan_order=order)
+        assert named.step_time_s == direct.step_time_s and named.issue_order == direct.issue_order
+    for bad, message in (("dynamic+order=priority", r"\+order=<fixed\|priority\|observed>"),
+                         ("planned+order=sideways", r"\+order takes one of fixed, priority, observed")):
+        with pytest.raises(ValueError, match=message):
+            simulate(prof, flat(), bad, settings, plan=plan)

@@ -244,9 +244,10 @@ class PlannedStrategy(CommschedStrategy):
 
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
                  timeline: str | None, split_tied: bool = False, decide_ahead: bool = True,
-                 ready_reports: bool = True, thread_nice: int | None = None, verify_order: bool = True) -> None:
+                 ready_reports: bool = True, thread_nice: int | None = None, verify_order: bool = True,
+                 order: str | None = None) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
-        self.plan_info = _shared_plan(run_spec, rank, path, split_tied)
+        self.plan_info = _shared_plan(run_spec, rank, path, split_tied, order)
         self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
                          timeline, plan=path, split_tied=split_tied, decide_ahead=decide_ahead,
@@ -267,7 +268,8 @@ PLAN_TIME_LIMIT_S = 20.0
 _PLAN_KEY = "commsched/bench/plan"
 
 
-def _shared_plan(run_spec: dict, rank: int, path: str, split_tied: bool = False) -> dict[str, Any]:
+def _shared_plan(run_spec: dict, rank: int, path: str, split_tied: bool = False,
+                 order: str | None = None) -> dict[str, Any]:
     """Rank 0 makes the plan and writes it to ``path``; every rank returns what rank 0 posted."""
     import json
 
@@ -277,7 +279,7 @@ def _shared_plan(run_spec: dict, rank: int, path: str, split_tied: bool = False)
     wait_s = float(run_spec.get("phase_timeout_s", 900.0))
     if rank == 0:
         try:
-            info = _make_bench_plan(run_spec, path, split_tied)
+            info = _make_bench_plan(run_spec, path, split_tied, order)
         except Exception as exc:  # noqa: BLE001 - every rank must hear why, then fail
             info = {"error": f"{type(exc).__name__}: {exc}"}
         store.set(_PLAN_KEY, json.dumps(info).encode())
@@ -288,15 +290,16 @@ def _shared_plan(run_spec: dict, rank: int, path: str, split_tied: bool = False)
     return info
 
 
-def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False) -> dict[str, Any]:
+def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False, order: str | None = None) -> dict[str, Any]:
     """The plan of ``planned`` (``split_tied``: of ``planned+tied``, made from the profile with its tied
     embeddings split, :meth:`~commsched.costmodel.profile.Profile.with_tied_split`, as that run's step
-    has them)."""
+    has them; ``order``: of ``planned+order=<order>``, the same plan with its pieces in that order,
+    :func:`~commsched.costmodel.planner.with_order`)."""
     from commsched.costmodel.topology import Topology
     from commsched.plugins.torch.profiler import load_or_profile
 
     try:
-        from commsched.costmodel.planner import make_plan
+        from commsched.costmodel.planner import make_plan, with_order
     except ImportError as exc:
         raise StrategyUnavailable(f"the planner is not importable ({exc})") from exc
     workers, nodes = run_spec["world_size"], run_spec["nodes"]
@@ -325,12 +328,16 @@ def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False) -> dic
         profile = profile.with_tied_split()
     profiled = time.monotonic()
     plan = make_plan(profile, topology, time_limit_s=PLAN_TIME_LIMIT_S).plan
+    planner_order = plan.order
+    if order is not None:
+        plan = with_order(plan, profile, topology, order)
     tmp = f"{path}.tmp"
     plan.to_json(tmp)
     os.replace(tmp, path)
     return {"path": path, "digest": plan.digest, "predicted": dict(plan.predicted),
             "groups": len(plan.groups), "pieces": len(plan.pieces), "credit_bytes": plan.credit_bytes,
             "algorithms": sorted({p.algorithm for p in plan.pieces}), "order": plan.order,
+            "planner_order": planner_order if order is not None else None,
             "engine": plan.engine, "bucket_bytes": plan.bucket_bytes,
             "profile_s": profiled - started, "plan_s": time.monotonic() - profiled,
             "topology": topology_source, "topology_describe": topology.describe(),
@@ -416,7 +423,8 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     if spec.kind == "planned":
         return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=spec.split_tied,
                                decide_ahead=spec.decide_ahead, ready_reports=spec.ready_reports,
-                               thread_nice=spec.thread_nice, verify_order=spec.verify_order)
+                               thread_nice=spec.thread_nice, verify_order=spec.verify_order,
+                               order=spec.plan_order)
     if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 
