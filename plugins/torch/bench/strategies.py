@@ -328,8 +328,7 @@ def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False, order:
         profile = profile.with_tied_split()
     profiled = time.monotonic()
     plan = make_plan(profile, topology, time_limit_s=PLAN_TIME_LIMIT_S).plan
-    planner_order = plan.order
-    if order is not None:
+    if order is not None:  # the planner's own order and digest stay in plan.predicted["order_forced"]
         plan = with_order(plan, profile, topology, order)
     tmp = f"{path}.tmp"
     plan.to_json(tmp)
@@ -337,7 +336,6 @@ def _make_bench_plan(run_spec: dict, path: str, split_tied: bool = False, order:
     return {"path": path, "digest": plan.digest, "predicted": dict(plan.predicted),
             "groups": len(plan.groups), "pieces": len(plan.pieces), "credit_bytes": plan.credit_bytes,
             "algorithms": sorted({p.algorithm for p in plan.pieces}), "order": plan.order,
-            "planner_order": planner_order if order is not None else None,
             "engine": plan.engine, "bucket_bytes": plan.bucket_bytes,
             "profile_s": profiled - started, "plan_s": time.monotonic() - profiled,
             "topology": topology_source, "topology_describe": topology.describe(),
