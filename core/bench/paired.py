@@ -12,6 +12,11 @@ strategy's steps alternate long and short (the cross-iteration path when the lin
 the communication of one step spills into the next), a median of 10 steps falls in either cluster while
 the mean is the period the link sets (docs/tuning.md, "The first step after a switch to the reducer").
 
+A round in which the hypervisor took more than ``STOLEN`` of the machine's CPU from the strategy or from
+the best peer (the round's ``cpu_steal``, /proc/stat's steal) is marked ``*``: its ratio measures the host
+as much as the schedule (a 0.75x round of `planned` on gpt2 ran with 12.5 % of the CPU stolen, its
+other two rounds with under 1 %). The ratios keep it; the mark says which to doubt.
+
 This is how the targets of the form "commsched's best >= 0.99x the best of ddp, ddp:1, ddp:4,
 horovod" are read off one interleaved run (docs/bench.md, Rounds).
 """
@@ -26,6 +31,10 @@ from typing import Any
 from commsched.bench.report import median
 
 DEFAULT_PEERS = ("ddp", "ddp:1", "ddp:4", "horovod")
+
+
+#: the share of the machine's CPU its hypervisor may take in a round before the round's ratio is marked
+STOLEN = 0.05
 
 
 #: What a round's step is, for pairing: the round's median step (the report's), or the mean of its steps.
@@ -62,6 +71,11 @@ def paired(report: dict[str, Any], peers: tuple[str, ...] = DEFAULT_PEERS, by: s
         raise ValueError(f"none of the peers {', '.join(peers)} ran in this report (it has "
                          f"{', '.join(rounds) or 'no strategy that ran'}); pass --peers")
     best = min(present, key=lambda p: median(list(rounds[p].values())))
+    steal = {e["strategy"]: {x["round"]: x.get("cpu_steal") for x in e["rounds"] or []}
+             for e in report["results"] if e["status"] == "ok"}
+
+    def stolen(name: str, r: int) -> bool:
+        return any((steal[n].get(r) or 0.0) > STOLEN for n in (name, best))
     out: dict[str, Any] = {"best_peer": best, "peers": present, "by": by, "strategies": {}}
     for name, steps in rounds.items():
         if name in present:
@@ -72,7 +86,8 @@ def paired(report: dict[str, Any], peers: tuple[str, ...] = DEFAULT_PEERS, by: s
         vs_fastest = [min(rounds[p][r] for p in present) / steps[r] for r in each]
         out["strategies"][name] = {
             "vs_best_peer": median(vs_best), "vs_best_peer_rounds": vs_best,
-            "vs_fastest_peer_each_round": median(vs_fastest), "rounds": len(common)}
+            "vs_fastest_peer_each_round": median(vs_fastest), "rounds": len(common),
+            "round_numbers": common, "stolen_rounds": [r for r in common if stolen(name, r)]}
     return out
 
 
@@ -94,10 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = report["config"]
     print(f"{cfg['workload']}, {cfg['workers']} workers, {cfg['bandwidth'] or 'unshaped'} ({report['emulation']}): "
           f"best peer {result['best_peer']} (of {', '.join(result['peers'])}), rounds paired by {args.by} step")
+    marked = False
     for name, r in result["strategies"].items():
-        rounds = ", ".join(f"{v:.3f}" for v in r["vs_best_peer_rounds"])
+        rounds = ", ".join(f"{v:.3f}" + ("*" if rn in r["stolen_rounds"] else "")
+                           for rn, v in zip(r["round_numbers"], r["vs_best_peer_rounds"], strict=True))
+        marked = marked or bool(r["stolen_rounds"])
         print(f"  {name}: {r['vs_best_peer']:.3f}x {result['best_peer']} (rounds {rounds}); "
               f"{r['vs_fastest_peer_each_round']:.3f}x the fastest peer of each round")
+    if marked:
+        print(f"  * the hypervisor took more than {STOLEN:.0%} of the CPU in that round (cpu_steal of the strategy "
+              f"or of {result['best_peer']}): a ratio of the host as much as of the schedule")
     return 0
 
 
