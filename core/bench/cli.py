@@ -103,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="before the baseline, measure compute and comm at two batch sizes and pick the one "
                              "that puts the workload in its named regime on this machine (two short extra "
                              "phases; without it the report only says which regime was measured)")
+    parser.add_argument("--max-steal", type=float, default=None, metavar="SHARE",
+                        help="run a strategy's phase again when the hypervisor took more than this share of the "
+                             "machine's CPU during its measured steps (its cpu_steal; e.g. 0.05); the run with the "
+                             "least steal is kept and the others' steal reported (rerun_steal). Default: never")
+    parser.add_argument("--steal-retries", type=int, default=2,
+                        help="with --max-steal: at most this many more runs of one phase (default 2)")
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -119,6 +125,12 @@ def _config(args: argparse.Namespace) -> RunConfig:
     for flag, mb in (("--partition-mb", args.partition_mb), ("--credit-mb", args.credit_mb)):
         if not mb > 0:
             raise ValueError(f"{flag} must be positive, got {mb}")
+    max_steal = getattr(args, "max_steal", None)
+    if max_steal is not None and not 0 <= max_steal < 1:
+        raise ValueError(f"--max-steal is a share of the machine's CPU in [0, 1), e.g. 0.05; got {max_steal}")
+    steal_retries = getattr(args, "steal_retries", 2)
+    if steal_retries < 0:
+        raise ValueError(f"--steal-retries must be >= 0 (0: report the steal, never run again), got {steal_retries}")
     parse_rate(args.bandwidth)
     parse_rate(args.intra_bandwidth)
     strategies = parse_strategies(args.strategies)
@@ -142,6 +154,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         partition_bytes=int(args.partition_mb * MB), credit_bytes=int(args.credit_mb * MB),
         network=args.network, timeline_dir=args.timeline, seed=args.seed,
         phase_timeout_s=args.timeout, calibrate=calibrate, rounds=rounds,
+        max_steal=max_steal, steal_retries=steal_retries,
     )
 
 
@@ -194,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
         "warmup": config.warmup, "baseline_steps": config.baseline_steps,
         "batch_size": config.batch_size, "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "network": config.network, "seed": config.seed,
-        "extra": {"timeout_s": config.phase_timeout_s, "calibrate": config.calibrate, "rounds": config.rounds},
+        "extra": {"timeout_s": config.phase_timeout_s, "calibrate": config.calibrate, "rounds": config.rounds,
+                  "max_steal": config.max_steal, "steal_retries": config.steal_retries},
     }
     report = build_report(run_config, cluster.emulation, cluster.note,
                           {"name": workload.name, "description": workload.description},

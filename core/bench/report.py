@@ -99,10 +99,10 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
                "backward_s", "step_call_s", "overlap_ratio", "efficiency", "efficiency_contended",
                "efficiency_combined", "cpu_busy", "workers_cpu_busy",
                "cpu_warning", "params_consistent", "pieces_per_step", "timeline", "stats", "logs",
-               "exposed_comm_s", "overlap_method", "breakdown", "cpu_steal", "rounds")
+               "exposed_comm_s", "overlap_method", "breakdown", "cpu_steal", "rounds", "rerun_steal")
 #: Keys of every ``results[].rounds[]`` entry (``--rounds`` > 1; ``rounds`` is ``null`` otherwise).
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
-              "cpu_busy", "cpu_steal", "plan", "tuner", "step_times_s")
+              "cpu_busy", "cpu_steal", "plan", "tuner", "step_times_s", "rerun_steal")
 #: Keys of ``results[].rounds[].tuner`` (``auto``: what that round's tuner kept; ``null`` otherwise).
 ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
@@ -438,8 +438,9 @@ def _against(baseline: dict, key: str, step: float) -> float | None:
 def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
                        ) -> dict[str, Any]:
     """One strategy's entry of the report (``phase`` is a runner.PhaseResult)."""
+    rerun = list(getattr(phase, "discarded_steal", None) or []) or None
     if phase.status != "ok":
-        return result_entry(phase.name, phase.status, reason=phase.reason)
+        return result_entry(phase.name, phase.status, reason=phase.reason, rerun_steal=rerun)
     r0 = phase.ranks[0]
     steps = r0["step_times_s"]
     bubble, method = _bubble(phase.ranks, baseline)
@@ -464,6 +465,7 @@ def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
         timeline=r0.get("timeline"),
         stats=stats,
         breakdown=breakdown(phase),
+        rerun_steal=rerun,
     )
 
 
@@ -490,11 +492,12 @@ def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]
     rounds = [{**dict.fromkeys(ROUND_KEYS), "round": r + 1, "position": pos + 1, "status": e["status"],
                "step_time_s": e["step_time_s"], "step_time_iqr_s": e["step_time_iqr_s"], "cpu_busy": e["cpu_busy"],
                "cpu_steal": e["cpu_steal"], "plan": round_plan(e.get("stats")), "tuner": round_tuner(e.get("stats")),
-               "step_times_s": [round(t, 6) for t in steps or []]}
+               "step_times_s": [round(t, 6) for t in steps or []], "rerun_steal": e.get("rerun_steal")}
               for r, pos, e, steps in runs]
+    reruns = [x for _, _, e, _ in runs for x in e.get("rerun_steal") or []]
     ok = [(e, steps) for _, _, e, steps in runs if e["status"] == "ok"]
     if not ok:
-        return {**runs[0][2], "rounds": rounds}
+        return {**runs[0][2], "rounds": rounds, "rerun_steal": reruns or None}
     step = median([e["step_time_s"] for e, _ in ok])
     rep, _ = min(ok, key=lambda es: abs(es[0]["step_time_s"] - step))
     pooled = [t for _, steps in ok for t in steps]
@@ -511,7 +514,7 @@ def rounds_entry(runs: Sequence[tuple[int, int, dict[str, Any], Sequence[float]]
         measured = rep["bubble_s"] is not None and fields["overlap_ratio"] is not None
         fields["overlap_method"] = method + (f" ({rep['bubble_method']})" if measured else "")
     failed = [e["reason"] for _, _, e, _ in runs if e["status"] == "failed"]
-    entry = {**rep, **fields, "rounds": rounds}
+    entry = {**rep, **fields, "rounds": rounds, "rerun_steal": reruns or None}
     if failed:
         entry["reason"] = f"{len(failed)} of {len(runs)} rounds failed: {failed[0]}"
     return entry
@@ -849,6 +852,10 @@ def assemble_report(framework: str, config: dict, emulation: str, emulation_note
                 r["speedup_vs_baseline"] = median(paired)
         if r.get("rounds") and any(x["status"] == "failed" for x in r["rounds"]):
             warnings.append(f"{r['strategy']}: {r['reason']}")
+        if r.get("rerun_steal") and not r.get("rounds"):  # with rounds, the per-round section lists them
+            warnings.append(f"{r['strategy']}: run again because the hypervisor took CPU (--max-steal): the "
+                            f"discarded runs lost {', '.join(f'{v:.1%}' for v in r['rerun_steal'])}, the one "
+                            f"kept {_fmt(r['cpu_steal'], '.1%')}")
         if r.get("cpu_warning"):
             warnings.append(
                 f"{r['strategy']}: CPU busy {r['cpu_busy']:.2f} > {BUSY_WARNING} (this benchmark's "
@@ -1065,6 +1072,13 @@ def rounds_table(results: list[dict]) -> list[str]:
             t = x["tuner"]
             lines.append(f"- {name} round {x['round']}: {t['kept']}, scored {_fmt(t['score_s'], '.3f')} s, measured "
                          f"{_fmt(x['step_time_s'], '.3f')} s; {t['samples']} samples, last verdict {t['verdict']}")
+    reruns = rounds_with("rerun_steal")
+    if reruns:
+        lines += ["", "Rounds run again because the hypervisor took CPU (--max-steal; the steal of each run "
+                      "discarded, then of the one kept):", ""]
+        for name, x in reruns:
+            lines.append(f"- {name} round {x['round']}: " + ", ".join(f"{v:.3f}" for v in x["rerun_steal"])
+                         + f" discarded; kept {_fmt(x['cpu_steal'], '.3f')}")
     return lines
 
 

@@ -219,6 +219,84 @@ def test_the_runner_interleaves_rounds_in_rotated_order(tmp_path, monkeypatch):
     assert "[3/7] fifo (round 1/2): skipped: not here" in log.getvalue()
 
 
+_STEAL_WORKER = textwrap.dedent("""
+    import argparse, json, os
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec"); p.add_argument("--rank", type=int)
+    a = p.parse_args()
+    spec = json.load(open(a.spec))
+    work = os.path.dirname(spec["run_dir"])
+    with open(os.path.join(work, "order.txt"), "a") as f:
+        f.write(f"{spec['strategy']}\\n")
+    steals = json.load(open(os.path.join(work, "steals.json")))  # per strategy, one value a run, in order
+    steal = steals.get(str(spec["strategy"]), [0.0]).pop(0) if steals.get(str(spec["strategy"])) else 0.0
+    json.dump(steals, open(os.path.join(work, "steals.json"), "w"))
+    cpu = {"cpu_busy": 0.5, "cpu_steal": steal, "process_cpu_s": 1.0, "wall_s": 1.0}
+    with open(os.path.join(spec["run_dir"], f"rank{a.rank}.json"), "w") as f:
+        json.dump({"ok": True, "strategy": spec["strategy"], "cpu": cpu, "steal": steal}, f)
+""")
+
+
+def _steal_run(tmp_path, monkeypatch, steals, **config):
+    (tmp_path / "fake_steal_worker.py").write_text(_STEAL_WORKER)
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "steals.json").write_text(json.dumps(steals))
+    log = io.StringIO()
+    runner = Runner(RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None,
+                              strategies=parse_strategies("ddp,fifo"), steps=1, warmup=0, batch_size=1,
+                              partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback",
+                              phase_timeout_s=60, **config),
+                    LoopbackCluster(1), str(work), worker_module="fake_steal_worker", log=log)
+    baseline, phases = runner.run_all()
+    return runner, [per[0] for per in phases], (work / "order.txt").read_text().split(), log.getvalue()
+
+
+def test_a_phase_the_hypervisor_took_cpu_from_runs_again_and_the_least_stolen_run_is_kept(tmp_path, monkeypatch):
+    # ddp: stolen once, then clean; fifo: stolen in every run (1 + 2 retries), the 10 % run kept
+    runner, (ddp, fifo), order, log = _steal_run(
+        tmp_path, monkeypatch, {"ddp": [0.2, 0.01], "fifo": [0.3, 0.1, 0.2, 0.0]}, max_steal=0.05, steal_retries=2)
+    assert order == ["None", "ddp", "ddp", "fifo", "fifo", "fifo"]  # fifo's fourth value never ran
+    assert (ddp.status, ddp.ranks[0]["steal"], ddp.discarded_steal) == ("ok", 0.01, [0.2])
+    assert (fifo.status, fifo.ranks[0]["steal"], fifo.discarded_steal) == ("ok", 0.1, [0.3, 0.2])
+    assert runner.total_phases == 6  # 1 + 2 planned, 3 more runs
+    assert "ddp: the hypervisor took 20.0% of the CPU (--max-steal 5%): running it again" in log
+    assert "fifo: every run lost more than 5% of the CPU to the hypervisor; kept the one that lost 10.0%" in log
+    assert len(list((tmp_path / "work").glob("*_fifo"))) == 3  # each run in a directory of its own
+    # without --max-steal nothing runs twice, whatever the steal
+    again = tmp_path / "again"
+    again.mkdir()
+    _, (ddp, fifo), order, _ = _steal_run(again, monkeypatch, {"ddp": [0.9], "fifo": [0.9]})
+    assert order == ["None", "ddp", "fifo"] and ddp.discarded_steal == [] and fifo.discarded_steal == []
+
+
+def test_the_report_lists_the_runs_discarded_for_steal_per_round_and_per_strategy():
+    ddp = [_phase("ddp", [1.0] * 4, r) for r in range(2)]
+    fifo = [_phase("fifo", [0.9] * 4, 0), _phase("fifo", [0.9] * 4, 1, 1)]
+    fifo[1].discarded_steal = [0.25, 0.125]
+    report = _report([ddp, fifo])
+    d, f = report["results"]
+    assert [x["rerun_steal"] for x in f["rounds"]] == [None, [0.25, 0.125]] and f["rerun_steal"] == [0.25, 0.125]
+    assert d["rerun_steal"] is None and [x["rerun_steal"] for x in d["rounds"]] == [None, None]
+    assert "- fifo round 2: 0.250, 0.125 discarded; kept" in markdown(report)
+    single = _phase("fifo", [0.9] * 4, 0)
+    single.discarded_steal = [0.5]
+    plain = _report([_phase("ddp", [1.0] * 4, 0), single])  # one round: the warning says it
+    assert plain["results"][1]["rerun_steal"] == [0.5] and plain["results"][1]["rounds"] is None
+    assert any("fifo: run again because the hypervisor took CPU" in w and "50.0%" in w for w in plain["warnings"])
+
+
+@pytest.mark.parametrize("field, value, message", [("max_steal", 1.5, "max_steal must be a share"),
+                                                  ("max_steal", -0.1, "max_steal must be a share"),
+                                                  ("steal_retries", -1, "steal_retries must be >= 0")])
+def test_bad_steal_settings_are_refused_naming_them(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None, strategies=[],
+                  steps=1, warmup=0, batch_size=1, partition_bytes=1, credit_bytes=1, network="loopback",
+                  **{field: value})
+
+
 def test_every_strategy_phase_is_told_the_baseline_s_compute(tmp_path, monkeypatch):
     """What ``planned`` scales a cached profile to (Profile.drift): the baseline phase's compute, given
     to every later phase's spec; None where the baseline's results do not have it."""
@@ -272,6 +350,34 @@ def test_paired_ratios_against_the_best_peer_are_read_per_round(tmp_path, capsys
     assert "none of the peers horovod ran" in capsys.readouterr().err
     path.write_text(json.dumps(_report([_phase("ddp", [1.0] * 4, 0)])))
     assert paired.main([str(path)]) == 2 and "--rounds 3" in capsys.readouterr().err
+
+
+def test_paired_marks_the_rounds_the_hypervisor_took_cpu_from_the_strategy_or_the_best_peer(tmp_path, capsys):
+    from commsched.bench import paired
+
+    ddp = [_phase("ddp", [1.0] * 4, r) for r in range(3)]
+    ours = [_phase("fifo", [0.9] * 4, 0), _phase("fifo", [1.4] * 4, 1), _phase("fifo", [0.95] * 4, 2)]
+    report = _report([ddp, ours])
+    steal = {("ddp", 1): 0.01, ("ddp", 2): 0.0, ("ddp", 3): 0.06,  # round 3: the peer's CPU was taken
+             ("fifo", 1): None, ("fifo", 2): 0.125, ("fifo", 3): 0.0}  # round 2: ours (None: not measured)
+    for e in report["results"]:
+        for x in e["rounds"]:
+            x["cpu_steal"] = steal[(e["strategy"], x["round"])]
+    fifo = paired.paired(report, ("ddp",))["strategies"]["fifo"]
+    assert fifo["round_numbers"] == [1, 2, 3] and fifo["stolen_rounds"] == [2, 3]
+    assert fifo["vs_best_peer_rounds"] == pytest.approx([1 / 0.9, 1 / 1.4, 1 / 0.95])  # kept, only marked
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert paired.main([str(path), "--peers", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "(rounds 1.111, 0.714*, 1.053*)" in out and "took more than 5% of the CPU" in out
+    for e in report["results"]:
+        for x in e["rounds"]:
+            x["cpu_steal"] = 0.05  # at the bar, not over it
+    path.write_text(json.dumps(report))
+    assert paired.main([str(path), "--peers", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "*" not in out and paired.paired(report, ("ddp",))["strategies"]["fifo"]["stolen_rounds"] == []
 
 
 def test_paired_by_mean_reads_throughput_where_a_median_falls_in_one_cluster_of_steps():
