@@ -390,6 +390,9 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="bench each configuration's strategies this many times, interleaved, and compare the "
                         "simulator with the median of the rounds (commsched bench --rounds; default 1)")
+    p.add_argument("--max-steal", type=float, default=None, metavar="SHARE",
+                   help="passed to commsched bench: run a strategy's phase again while the hypervisor took more "
+                        "than this share of the CPU (e.g. 0.05; default: never)")
     p.add_argument("--partition-mb", type=float, default=1.0)
     p.add_argument("--credit-mb", type=float, default=4.0)
     p.add_argument("--sim-steps", type=int, default=5)
@@ -450,6 +453,8 @@ def run_validate(args: argparse.Namespace) -> int:
         settings = settings_from(args)
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1 (1: each strategy once), got {args.rounds}")
+        if args.max_steal is not None and not 0 <= args.max_steal < 1:
+            raise ValueError(f"--max-steal is a share of the machine's CPU in [0, 1), e.g. 0.05; got {args.max_steal}")
         for other_dir in [d.strip() for d in args.other_runs.split(",") if d.strip()]:
             if not os.path.isdir(other_dir):
                 raise ValueError(f"--other-runs {other_dir!r} is not a directory; name the --out-dir of an "
@@ -523,6 +528,8 @@ def _validate_one(args: argparse.Namespace, cfg: dict[str, Any], tag: str, strat
                "--json", bench_json]
         if cfg["nodes"]:
             cmd += ["--nodes", str(cfg["nodes"])]
+        if getattr(args, "max_steal", None) is not None:
+            cmd += ["--max-steal", str(args.max_steal)]
         with open(bench_log, "w") as log_file:
             done = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=3600)
         if done.returncode != 0 or not os.path.exists(bench_json):

@@ -364,3 +364,11 @@ def test_validate_benches_with_rounds_and_refuses_fewer_than_one(tmp_path, capsy
     assert row["resolved_pairs"] is None  # a report without rounds resolves no pair
     cmd = seen[0]
     assert cmd[cmd.index("--rounds") + 1] == "3" and cmd[cmd.index("--strategies") + 1] == "ddp,dynamic"
+    assert "--max-steal" not in cmd  # not asked for: the bench's default, never run again
+    args.max_steal = 0.05
+    cost_cli._validate_one(args, {"workload": "w", "bandwidth": "1gbit", "workers": 2, "nodes": None},
+                           "w-1gbit-2x2", ["ddp", "dynamic"], SimSettings(), None, lambda *a, **k: prof,
+                           lambda what: None)
+    assert seen[1][seen[1].index("--max-steal") + 1] == "0.05"
+    rc = main(["validate", "--max-steal", "1.5", "--json", str(tmp_path / "v.json")])
+    assert rc == 2 and "--max-steal is a share of the machine's CPU" in capsys.readouterr().err
