@@ -321,7 +321,8 @@ class Runner:
         """Run one strategy's phase; where ``config.max_steal`` is set and the hypervisor took more of the
         machine's CPU than that during its measured steps, run it again (up to ``config.steal_retries``
         more times) and keep the run with the least steal; the others' steal goes to ``discarded_steal``.
-        Returns the result and the index of the last phase run."""
+        A run that fails or is skipped ends the retries and is the result (a failure is never hidden behind
+        an earlier stolen run). Returns the result and the index of the last phase run."""
         limit = self.config.max_steal
         runs: list[tuple[float, PhaseResult]] = []
         while True:
