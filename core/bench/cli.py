@@ -42,7 +42,7 @@ from commsched.bench.report import (
     step_fields,
     write_json,
 )
-from commsched.bench.runner import RunConfig, Runner, make_work_dir, round_order
+from commsched.bench.runner import RunConfig, Runner, check_max_steal, make_work_dir, round_order
 from commsched.bench.spec import parse_strategies
 from commsched.progress import Progress
 
@@ -126,8 +126,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         if not mb > 0:
             raise ValueError(f"{flag} must be positive, got {mb}")
     max_steal = getattr(args, "max_steal", None)
-    if max_steal is not None and not 0 <= max_steal < 1:
-        raise ValueError(f"--max-steal is a share of the machine's CPU in [0, 1), e.g. 0.05; got {max_steal}")
+    check_max_steal(max_steal, "--max-steal")
     steal_retries = getattr(args, "steal_retries", 2)
     if steal_retries < 0:
         raise ValueError(f"--steal-retries must be >= 0 (0: report the steal, never run again), got {steal_retries}")

@@ -438,7 +438,7 @@ def _against(baseline: dict, key: str, step: float) -> float | None:
 def summarize_strategy(phase: Any, baseline: dict | None, samples_per_step: int
                        ) -> dict[str, Any]:
     """One strategy's entry of the report (``phase`` is a runner.PhaseResult)."""
-    rerun = list(getattr(phase, "discarded_steal", None) or []) or None
+    rerun = list(phase.discarded_steal) or None
     if phase.status != "ok":
         return result_entry(phase.name, phase.status, reason=phase.reason, rerun_steal=rerun)
     r0 = phase.ranks[0]

@@ -66,12 +66,18 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
-        if self.max_steal is not None and not 0 <= self.max_steal < 1:
-            raise ValueError(f"max_steal must be a share of the CPU in [0, 1) (e.g. 0.05), got {self.max_steal}")
+        check_max_steal(self.max_steal, "max_steal")
         if self.steal_retries < 0:
             raise ValueError(f"steal_retries must be >= 0, got {self.steal_retries}")
         if self.baseline_steps <= 0:
             self.baseline_steps = max(3, min(self.steps, 10))
+
+
+def check_max_steal(value: float | None, name: str) -> None:
+    """Refuse a ``max_steal`` (``name``: how the caller spells it, e.g. ``--max-steal``) that is no share of
+    the CPU; None (never run again) passes."""
+    if value is not None and not 0 <= value < 1:
+        raise ValueError(f"{name} is a share of the machine's CPU in [0, 1), e.g. 0.05; got {value}")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 from commsched.bench.picture import draw_timeline
 from commsched.bench.report import (BASELINE_KEYS, assemble_report, beats_dependency, dependency_block, markdown,
                                     median, result_entry, write_json)
+from commsched.bench.runner import check_max_steal
 from commsched.config import SchedulerConfig
 from commsched.costmodel.bounds import bound_by_bytes
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
@@ -453,8 +454,7 @@ def run_validate(args: argparse.Namespace) -> int:
         settings = settings_from(args)
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1 (1: each strategy once), got {args.rounds}")
-        if args.max_steal is not None and not 0 <= args.max_steal < 1:
-            raise ValueError(f"--max-steal is a share of the machine's CPU in [0, 1), e.g. 0.05; got {args.max_steal}")
+        check_max_steal(args.max_steal, "--max-steal")
         for other_dir in [d.strip() for d in args.other_runs.split(",") if d.strip()]:
             if not os.path.isdir(other_dir):
                 raise ValueError(f"--other-runs {other_dir!r} is not a directory; name the --out-dir of an "

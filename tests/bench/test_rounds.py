@@ -287,8 +287,8 @@ def test_the_report_lists_the_runs_discarded_for_steal_per_round_and_per_strateg
     assert any("fifo: run again because the hypervisor took CPU" in w and "50.0%" in w for w in plain["warnings"])
 
 
-@pytest.mark.parametrize("field, value, message", [("max_steal", 1.5, "max_steal must be a share"),
-                                                  ("max_steal", -0.1, "max_steal must be a share"),
+@pytest.mark.parametrize("field, value, message", [("max_steal", 1.5, "max_steal is a share"),
+                                                  ("max_steal", -0.1, "max_steal is a share"),
                                                   ("steal_retries", -1, "steal_retries must be >= 0")])
 def test_bad_steal_settings_are_refused_naming_them(field, value, message):
     with pytest.raises(ValueError, match=message):
