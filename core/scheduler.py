@@ -114,6 +114,14 @@ class Scheduler(Closeable):
         # dispatch thread in backend.start() (the engine's launch), the completion thread in on_done (the
         # plugin's averaging). Each key is written by one thread only. stats()["engine_cpu_s"].
         self._engine_cpu = {"launch": 0.0, "on_done": 0.0}
+        # A completion starts what its credit freed on the engine's own thread where the engine allows it
+        # (``Backend.starts_in_done``, ``SchedulerConfig.start_on_done``): no wake-up of the dispatch thread.
+        # ``_callback_cpu``: CPU seconds of completions run on threads that are not commsched's (gloo's),
+        # which the bench's per-thread count cannot see; ``_started_on_done``: pieces started there.
+        self._start_on_done = bool(self.config.start_on_done)
+        self._callback_cpu = 0.0
+        self._started_on_done = 0
+        self._counter_lock = threading.Lock()
         self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
         self._published_batches = 0  # rank 0: batches of messages pushed to the followers (stats())
         self._threads: list[threading.Thread] = []
@@ -293,7 +301,11 @@ class Scheduler(Closeable):
     def stats(self) -> dict:
         """Pieces and bytes started, tasks, steps, the most bytes in flight, settings; per step: pieces,
         bytes, start order; ``engine_cpu_s``: CPU seconds so far of the dispatch thread in the engine's
-        launches (``launch``) and of the completion thread in ``on_done`` (the plugin's averaging).
+        launches (``launch``; with ``start_on_done`` also the launches on the engine's completion thread)
+        and of the completion thread in ``on_done`` (the plugin's averaging); ``callback_cpu_s``: CPU
+        seconds of piece completions run on the engine's own threads (gloo's: not a ``commsched-*``
+        thread, so a per-thread count misses them), launches there included; ``started_on_done``:
+        pieces a completion started on the engine's thread (``SchedulerConfig.start_on_done``).
         Rank 0 under ``dynamic``/``static``: ``published_batches`` (messages pushed to the followers,
         in how many batches) and ``decided_ahead`` (pieces published before they started,
         ``SchedulerConfig.decide_ahead``); with ``ready_reports`` under ``dynamic``, ``held_for_reports``
@@ -302,7 +314,8 @@ class Scheduler(Closeable):
         with self._lock:
             out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
-                       ordering=self.config.ordering, engine_cpu_s=dict(self._engine_cpu))
+                       ordering=self.config.ordering, engine_cpu_s=dict(self._engine_cpu),
+                       callback_cpu_s=self._callback_cpu, started_on_done=self._started_on_done)
             if self._state.policy.publishes:  # rank 0 under dynamic/static: how its decisions travelled
                 deciding = getattr(self._state.policy, "inner", self._state.policy)  # planned wraps the leader
                 out.update(published_batches=self._published_batches,
@@ -423,6 +436,7 @@ class Scheduler(Closeable):
     def _on_piece_done(self, piece: Piece, exc: Optional[BaseException]) -> None:
         if self._closed:  # a late completion: close() already failed the futures and joined our threads
             return
+        t0 = time.thread_time()
         end = now_us()
         remote = None
         if exc is None and piece.task.on_piece is not None and not piece.done:
@@ -439,9 +453,40 @@ class Scheduler(Closeable):
                 self._wake_all()
             # The credit this frees matters only to pieces that wait to start: with none, waking the
             # dispatch thread (a wake-up, both locks and a decision of nothing, per piece) is pure cost.
-            if len(self._state.unstarted) or self._handoff:
+            waiting = bool(len(self._state.unstarted) or self._handoff)
+            if waiting and (exc is not None or not self._start_on_done
+                            or not getattr(self.backend, "starts_in_done", False)):
                 self._poke_dispatch()
+                waiting = False
+        if waiting:
+            self._start_freed()
         self.timeline.piece(piece, end)
+        if not threading.current_thread().name.startswith("commsched-"):  # the engine's thread (gloo's)
+            spent = time.thread_time() - t0
+            with self._counter_lock:  # gloo runs completions on more than one thread
+                self._callback_cpu += spent
+
+    def _start_freed(self) -> None:
+        """On the engine's completion thread (``start_on_done``): decide and start what a landing freed,
+        as the dispatch thread would, without waking it. Never waits for the issue lock: whoever holds it
+        is issuing (the dispatch thread decides again after its launch, a submit does not), so the
+        dispatch thread is poked instead. A piece the engine completes inside ``start`` comes back here
+        with the lock held by this thread and pokes too: no recursion, no deadlock."""
+        if not self._issue_lock.acquire(blocking=False):
+            with self._lock:
+                self._poke_dispatch()
+            return
+        try:
+            with self._lock:
+                if self._closing or self._state.error is not None:
+                    return
+                handoff, self._handoff = self._handoff, []  # decided earlier: they go first, as on dispatch
+                batch = handoff + self._decide_locked()
+                self._started_on_done += len(batch)
+            if batch:
+                self._start(batch, timed=True)
+        finally:
+            self._issue_lock.release()
 
     def _complete_loop(self) -> None:
         state = self._state

@@ -27,6 +27,11 @@ class Backend(Protocol):
     priority and credit. ``close()`` releases what the engine holds (threads,
     groups); :meth:`Scheduler.close` calls it once, after its own threads stopped
     (so does interpreter exit for a scheduler the user forgot). Safe to call twice.
+
+    An engine may also have ``starts_in_done`` (read with ``getattr``, default False): True
+    when the thread that calls ``done`` may call ``start`` again (gloo's callbacks; not a
+    thread that must only poll, like the CUDA watcher). The scheduler then starts what a
+    completion's credit freed on that thread (``SchedulerConfig.start_on_done``).
     """
 
     rank: int

@@ -169,6 +169,8 @@ class InProcessBackend:
     """One rank's view of an :class:`InProcessWorld`; a :class:`~commsched.scheduler.Backend`."""
 
     negotiates_order = False
+    #: the link thread calls ``done`` outside the world's lock: a completion may start the next piece there
+    starts_in_done = True
 
     def __init__(self, world: InProcessWorld, rank: int) -> None:
         if not 0 <= rank < world.world_size:

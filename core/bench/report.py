@@ -609,11 +609,13 @@ BREAKDOWN_HOW = {
     "sched_cpu_s": "commsched: CPU seconds per step of its own threads (dispatch, complete, publish or "
                    "order; /proc/self/task/<tid>/schedstat over the measured steps / steps); the complete "
                    "thread's share includes the division of each reduced tensor by the world size, the dispatch "
-                   "thread's the engine's launch of each all-reduce. Does not include submit_s (training "
-                   "thread) or the engine's (gloo's) threads, where the piece-done callback runs",
+                   "thread's the engine's launch of each all-reduce. Plus 'callback': the piece completions "
+                   "run on the engine's (gloo's) threads (Scheduler.stats()['callback_cpu_s']), which with "
+                   "start_on_done also launch the next pieces there. Does not include submit_s (training thread)",
     "sched_cpu_per_piece_s": "sched_cpu_s x steps / pieces started in the measured steps",
     "sched_engine_cpu_s": "the part of sched_cpu_s that is the engine's and the plugin's work, not scheduling: "
-                          "launch (the dispatch thread inside backend.start(): the all-reduce's launch) and "
+                          "launch (backend.start() on the dispatch thread or, with start_on_done, on the "
+                          "engine's completion thread: the all-reduce's launch) and "
                           "on_done (the completion thread inside the plugin's callback: the division by the "
                           "world size); time.thread_time() around each, Scheduler.stats()['engine_cpu_s']",
     "sched_own_cpu_per_piece_s": "(sched_cpu_s - launch - on_done) x steps / pieces: the scheduler's own CPU "

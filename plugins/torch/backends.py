@@ -204,6 +204,13 @@ class TorchBackend:
         self._every_piece_hierarchical = bool(every_piece)
 
     @property
+    def starts_in_done(self) -> bool:
+        """Whether the thread that calls a piece's ``done`` may start the next piece
+        (``SchedulerConfig.start_on_done``): gloo's completion callbacks may, so while no piece took the
+        stream/event path (whose watcher never drives the group) or the two-level algorithm."""
+        return self.device_streams is None and self._hierarchical is None
+
+    @property
     def hierarchical(self) -> Optional[HierarchicalAllReduce]:
         """The two-level all-reduce in use (see :meth:`use_hierarchical`), or None."""
         return self._hierarchical

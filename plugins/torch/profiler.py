@@ -884,7 +884,8 @@ def _train(strat: Any, workload: Any, x: Any, y: Any, steps: int, progress: Any 
 
 def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module, x: Any, y: Any,
                          progress: Any) -> dict[str, Any]:
-    """CPU seconds of this rank's commsched threads (dispatch, completion, publish/order) per piece
+    """CPU seconds of this rank's commsched threads (dispatch, completion, publish/order, and the piece
+    completions on gloo's threads) per piece
     over :data:`SCHED_CPU_STEPS` steps of ``dynamic`` on the profiled ``model`` with the run's piece
     size and credit, as the bench measures its ``sched CPU`` column (``/proc/self/task/<tid>/schedstat``)."""
     from commsched.bench.spec import parse_strategies
@@ -896,11 +897,13 @@ def _sched_cpu_per_piece(spec: dict, rank: int, workload: Any, model: nn.Module,
     recorder = strat.optimizer._recorder  # it times the gradient hook's work on the training thread
     try:
         _train(strat, workload, x, y, 2)
-        pieces0, cpu0 = worker._counters(strat)[0], worker.thread_cpu_s()
+        (pieces0, _, callback0), cpu0 = worker._counters(strat), worker.thread_cpu_s()
         hooks0 = (recorder.hook_s, recorder.hooks, recorder.task_hook_s, recorder.task_hooks)
         _train(strat, workload, x, y, SCHED_CPU_STEPS, progress, "scheduler CPU")
-        by_thread = worker.thread_cpu_delta(cpu0, worker.thread_cpu_s())
-        pieces = (worker._counters(strat)[0] or 0) - (pieces0 or 0)
+        cpu1 = worker.thread_cpu_s()
+        pieces1, _, callback1 = worker._counters(strat)
+        by_thread = worker.with_callbacks(worker.thread_cpu_delta(cpu0, cpu1), callback0, callback1)
+        pieces = (pieces1 or 0) - (pieces0 or 0)
         hooks = (recorder.hook_s - hooks0[0], recorder.hooks - hooks0[1], recorder.task_hook_s - hooks0[2],
                  recorder.task_hooks - hooks0[3])
         sched = strat.stats().get("scheduler") or {}  # the last steps' pieces: the link's excess per piece

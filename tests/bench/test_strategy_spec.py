@@ -60,7 +60,7 @@ def test_the_auto_warm_up_runs_while_the_tuner_searches_by_what_every_rank_knows
     """The bench warms ``auto`` up until its tuner settles: judged from the agreed decisions (next and
     pending decision, switches), which every rank has alike, never from rank 0's private phase."""
     pytest.importorskip("torch")
-    from commsched.plugins.torch.bench.worker import thread_cpu_delta, tuning
+    from commsched.plugins.torch.bench.worker import thread_cpu_delta, tuning, with_callbacks
     from commsched.plugins.torch.optimizer import TUNER_OPTIONS
 
     class Opt:
@@ -86,6 +86,10 @@ def test_the_auto_warm_up_runs_while_the_tuner_searches_by_what_every_rank_knows
     assert not tuning(Opt(29, next_decision=far, switches=[*kept[:1], {"applies_from": 29, "settings": None}]))
     # scheduler threads replaced by a switch: counted thread by thread, never negative
     assert thread_cpu_delta({("dispatch", 1): 5.0}, {("dispatch", 2): 0.25}) == {"dispatch": 0.25}
+    # the completions on gloo's threads (no commsched thread of their own) join as "callback", the same way
+    assert with_callbacks({"dispatch": 0.5}, 1.0, 1.25) == {"dispatch": 0.5, "callback": 0.25}
+    assert with_callbacks({"dispatch": 0.5}, 1.0, 0.125) == {"dispatch": 0.5, "callback": 0.125}
+    assert with_callbacks({"dispatch": 0.5}, None, 0.125) == {"dispatch": 0.5}
 
 
 def test_a_grid_point_names_its_own_piece_size_and_credit():
@@ -252,3 +256,27 @@ def test_a_planned_rounds_report_says_which_order_was_forced_over_the_planners()
     assert (row["order"], row["planner_order"], row["planner_digest"]) == ("priority", "fixed", "a" * 64)
     info["predicted"] = {"step_time_s": 1.1}
     assert round_plan({"plan_file": info})["planner_order"] is None
+
+
+def test_hop_reaches_every_commsched_strategy_as_start_on_done_off(monkeypatch):
+    specs = parse_strategies("dynamic+hop,dynamic,static:1MiB/4MiB+hop,auto+hop+noahead,fifo+hop,planned+hop")
+    assert [s.start_on_done for s in specs] == [False, True, False, False, False, False]
+    for bad in ("ddp+hop", "horovod+hop", "dynamic+hop+hop", "dynamic+hop=1"):
+        with pytest.raises(ValueError, match=r"\+hop \(a completion wakes the dispatch thread"):
+            parse_strategies(bad)
+    pytest.importorskip("torch")
+    import commsched.plugins.torch.bench.strategies as strategies
+
+    made = []
+
+    class Recorder:
+        def __init__(self, model, make_opt, *args, **kw):
+            made.append(kw["start_on_done"])
+
+    monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
+    monkeypatch.setattr(strategies, "PlannedStrategy", Recorder)
+    run_spec = {"partition_bytes": 4 << 20, "credit_bytes": 16 << 20, "world_size": 2, "nodes": 2,
+                "bandwidth": "1gbit"}
+    for spec in specs:
+        strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
+    assert made == [False, True, False, False, False, False]

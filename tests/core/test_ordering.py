@@ -514,3 +514,91 @@ def test_a_name_submitted_twice_in_a_step_before_it_started_is_rejected():
     finally:
         held.release()
         world.close()
+
+
+@pytest.mark.parametrize("allowed", [True, False], ids=["start-on-done", "via-dispatch"])
+def test_a_completion_starts_what_its_credit_freed_on_the_engines_thread_where_the_engine_allows(allowed):
+    # SchedulerConfig.start_on_done: an engine whose completion thread may start collectives
+    # (Backend.starts_in_done: gloo's callbacks) gets the next piece started right there, one wake-up of
+    # the dispatch thread less per piece; the CPU of that completion is counted (callback_cpu_s), since
+    # the engine's thread is not one of commsched's. Off (or an engine without it): the dispatch thread.
+    started: list[tuple[str, str]] = []
+    held: list = []
+    lock = threading.Lock()
+
+    def start(_self, piece, done):
+        with lock:
+            started.append((piece.name, threading.current_thread().name))
+            held.append(done)
+
+    backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": False, "start": start,
+                                  "starts_in_done": True})()
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10, start_on_done=allowed)
+    with Scheduler(backend, ArrayOps(), cfg) as sched:
+        futures = [sched.submit(f"t{i}", doubles(2, 1.0), priority=i) for i in range(3)]  # 16 B each
+        with lock:
+            first = held.pop(0)
+        engine = threading.Thread(target=first, args=(None,), name="engine-callback")
+        engine.start()  # t0 lands on the engine's own thread: its credit lets t2 go
+        engine.join(5)
+        deadline = time.monotonic() + 5
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert started[2] == ("t2#0", "engine-callback" if allowed else "commsched-dispatch-r0")
+        for done in list(held):
+            done(None)
+        sched.mark_step()
+        for f in futures:
+            sched.wait(f, timeout=5)
+        stats = sched.stats()
+    assert stats["started_on_done"] == (1 if allowed else 0)
+    assert stats["callback_cpu_s"] > 0  # the engine thread's completion, counted either way
+
+
+def test_an_engine_that_completes_inside_start_neither_deadlocks_nor_recurses_with_start_on_done():
+    # A completion inside start() (an engine refusing a piece, or finishing at once) arrives while this
+    # thread holds the issue lock: it must not wait for it (deadlock) nor start from within (recursion).
+    started: list[str] = []
+    depth = [0, 0]
+
+    def start(_self, piece, done):
+        depth[0] += 1
+        depth[1] = max(depth[1], depth[0])
+        started.append(piece.name)
+        done(None)
+        depth[0] -= 1
+
+    backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": False, "start": start,
+                                  "starts_in_done": True})()
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=16, timeout_s=10)
+    with Scheduler(backend, ArrayOps(), cfg) as sched:
+        futures = [sched.submit(f"t{i}", doubles(4, 1.0), priority=i) for i in range(20)]  # 2 pieces each
+        sched.mark_step()
+        for f in futures:
+            sched.wait(f, timeout=5)
+    assert sorted(started) == sorted(f"t{i}#{k}" for i in range(20) for k in range(2))
+    assert depth[1] == 1
+
+
+def test_ranks_agree_on_the_order_when_completions_start_pieces_on_the_link_thread(ranks):
+    # The in-process engine allows starts in its completions (its link thread, outside the world's
+    # lock), as gloo does: with a credit of two pieces most pieces start there, and the k-th operation
+    # of every rank must still be the same piece (the world records any mismatch), every sum right.
+    n = 40
+
+    def body(rank, sched):
+        tensors = [doubles(8, float(rank + 1 + i)) for i in range(n)]
+        futures = [sched.submit(f"g{i}", t, priority=n - i) for i, t in enumerate(tensors)]  # backward order
+        sched.mark_step()
+        for f in futures:
+            sched.wait(f, timeout=10)
+        return tensors, sched.stats()["started_on_done"]
+
+    cfg = SchedulerConfig(partition_bytes=32, credit_bytes=64, timeout_s=10)
+    run = ranks(2, body, config=cfg, bandwidth_bytes_per_s=2e6)
+    run.raise_first()
+    assert run.world.mismatches == []
+    assert run.world.issued[0] == run.world.issued[1] and len(run.world.issued[0]) == 2 * n
+    for tensors, _ in run.results:
+        assert [t[0] for t in tensors] == [float(3 + 2 * i) for i in range(n)]
+    assert all(on_done > 0 for _, on_done in run.results)

@@ -169,7 +169,7 @@ class CommschedStrategy(Strategy):
                  topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
                  split_tied: bool = False, fusion_bytes: int | None = None, decide_ahead: bool = True,
                  reducer_bytes: int | None = None, ready_reports: bool = True,
-                 thread_nice: int | None = None, verify_order: bool = True) -> None:
+                 thread_nice: int | None = None, verify_order: bool = True, start_on_done: bool = True) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -186,7 +186,8 @@ class CommschedStrategy(Strategy):
         config = commsched.SchedulerConfig(
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
             cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority,
-            decide_ahead=decide_ahead, ready_reports=ready_reports, verify_order=verify_order, **chosen,
+            decide_ahead=decide_ahead, ready_reports=ready_reports, verify_order=verify_order,
+            start_on_done=start_on_done, **chosen,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config, topology=topology, split_tied_embeddings=split_tied)
@@ -245,13 +246,14 @@ class PlannedStrategy(CommschedStrategy):
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
                  timeline: str | None, split_tied: bool = False, decide_ahead: bool = True,
                  ready_reports: bool = True, thread_nice: int | None = None, verify_order: bool = True,
-                 order: str | None = None) -> None:
+                 order: str | None = None, start_on_done: bool = True) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
         self.plan_info = _shared_plan(run_spec, rank, path, split_tied, order)
         self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
                          timeline, plan=path, split_tied=split_tied, decide_ahead=decide_ahead,
-                         ready_reports=ready_reports, thread_nice=thread_nice, verify_order=verify_order)
+                         ready_reports=ready_reports, thread_nice=thread_nice, verify_order=verify_order,
+                         start_on_done=start_on_done)
 
     def stats(self) -> dict[str, Any]:
         info = dict(self.plan_info)
@@ -409,9 +411,11 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     # every commsched strategy's modifiers: +tied (split tied embeddings), +fuse=<size> (its own fusion
     # threshold; not on planned, whose plan fixes its groups), +noahead (rank 0 publishes each decision
     # as its piece starts), +noreports (rank 0 decides on its own readiness), +nice=<n> (commsched's threads
-    # below the training thread's CPU priority) and +noverify (no check of each fifo step's order)
+    # below the training thread's CPU priority), +noverify (no check of each fifo step's order) and +hop (a
+    # completion wakes the dispatch thread to start what it freed, never starting it on gloo's thread)
     mods = {"split_tied": spec.split_tied, "fusion_bytes": spec.fusion_bytes, "decide_ahead": spec.decide_ahead,
-            "ready_reports": spec.ready_reports, "thread_nice": spec.thread_nice, "verify_order": spec.verify_order}
+            "ready_reports": spec.ready_reports, "thread_nice": spec.thread_nice, "verify_order": spec.verify_order,
+            "start_on_done": spec.start_on_done}
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
     if spec.kind == "allreduce":
@@ -422,7 +426,7 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=spec.split_tied,
                                decide_ahead=spec.decide_ahead, ready_reports=spec.ready_reports,
                                thread_nice=spec.thread_nice, verify_order=spec.verify_order,
-                               order=spec.plan_order)
+                               order=spec.plan_order, start_on_done=spec.start_on_done)
     if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 

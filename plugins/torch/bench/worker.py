@@ -409,16 +409,28 @@ def thread_cpu_delta(before: dict[tuple[str, int], float], after: dict[tuple[str
     return out
 
 
-def _counters(strat: Any) -> tuple[int | None, dict[str, float] | None]:
-    """Pieces started so far and the scheduler's ``engine_cpu_s`` (commsched strategies; else None),
-    from one ``stats()`` call."""
+def _counters(strat: Any) -> tuple[int | None, dict[str, float] | None, float | None]:
+    """Pieces started so far, the scheduler's ``engine_cpu_s`` and its ``callback_cpu_s`` (the piece
+    completions run on gloo's threads, which :func:`thread_cpu_s` cannot see) (commsched strategies;
+    else None), from one ``stats()`` call."""
     stats = strat.stats()
     if not isinstance(stats, dict):
-        return None, None
+        return None, None, None
     pieces = stats.get("pieces")
     sched = stats.get("scheduler")
     engine = sched.get("engine_cpu_s") if isinstance(sched, dict) else None
-    return (pieces if isinstance(pieces, int) else None), (dict(engine) if isinstance(engine, dict) else None)
+    callback = sched.get("callback_cpu_s") if isinstance(sched, dict) else None
+    return ((pieces if isinstance(pieces, int) else None), (dict(engine) if isinstance(engine, dict) else None),
+            (float(callback) if isinstance(callback, (int, float)) else None))
+
+
+def with_callbacks(threads: dict[str, float], before: float | None, after: float | None) -> dict[str, float]:
+    """``threads`` (:func:`thread_cpu_delta`) plus ``callback``: the CPU of piece completions on the engine's
+    threads between two :func:`_counters` samples (all of ``after`` where the scheduler was replaced in
+    between, ``auto``'s switch, and its count started again); unchanged without both samples."""
+    if before is None or after is None:
+        return threads
+    return {**threads, "callback": after - before if after >= before else after}
 
 
 def run_calibrate(spec: dict, rank: int, progress: Progress) -> dict:
@@ -532,7 +544,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         applies.clear()
         submits.clear()
         strat.mark_measured()
-        pieces0, engine0 = _counters(strat)
+        pieces0, engine0, callback0 = _counters(strat)
         cpu0 = thread_cpu_s()
         window = CpuWindow()
         for i in range(steps):
@@ -545,7 +557,7 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         cpu = window.stop()
         sync_apply, _ = timers.take()
         cpu1 = thread_cpu_s()
-        pieces1, engine1 = _counters(strat)
+        pieces1, engine1, callback1 = _counters(strat)
         bubbles = strat.bubble_per_step()
         stats = strat.stats()
         checksum = _checksum(model)
@@ -573,7 +585,8 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         "final_sync_s": end - t_sync,
         "final_sync_apply_s": sum(sync_apply.values()),
         "submit_s": submits if timers.scheduler is not None else None,
-        "sched_thread_cpu_s": thread_cpu_delta(cpu0, cpu1) if sspec.is_commsched else None,
+        "sched_thread_cpu_s": (with_callbacks(thread_cpu_delta(cpu0, cpu1), callback0, callback1)
+                               if sspec.is_commsched else None),
         "sched_engine_cpu_s": ({k: engine1[k] - engine0.get(k, 0.0) for k in engine1}
                                if sspec.is_commsched and engine0 is not None and engine1 is not None else None),
         "measured_pieces": (pieces1 - pieces0) if pieces0 is not None and pieces1 is not None else None,
