@@ -35,7 +35,7 @@ _DEFAULTS: dict[str, Any] = {
     "ready_reports": True,
     "thread_nice": 0,
     "verify_order": True,
-    "start_on_done": True,
+    "direct_start": True,
 }
 
 _SIZE_UNITS = {
@@ -206,7 +206,7 @@ _PARSERS = {
     "ready_reports": _parse_bool,
     "thread_nice": parse_nice,
     "verify_order": _parse_bool,
-    "start_on_done": _parse_bool,
+    "direct_start": _parse_bool,
 }
 
 
@@ -266,12 +266,14 @@ class SchedulerConfig:
             raises ``OrderAgreementError`` naming the first difference otherwise; without it,
             same-sized pieces of different tensors would be summed together silently. The other
             orderings agree on the order anyway. Default True (:mod:`commsched.order_check`).
-        start_on_done: on an engine whose completion callback may start collectives (torch.distributed's
-            gloo path, the in-process test engine: ``Backend.starts_in_done``), a piece's completion
-            starts what its credit freed right there, on the engine's thread, instead of waking the
-            dispatch thread to do it: one thread hop less per piece. Never waits for the issue lock:
-            when another thread is issuing, the dispatch thread decides as before. Default True; False
-            always hands over to the dispatch thread (docs/ARCHITECTURE.md).
+        direct_start: the thread whose event lets pieces start starts them itself, instead of waking
+            the dispatch thread to do it (one thread hop less): a piece's completion, on an engine
+            whose completion callback may start collectives (torch.distributed's gloo path, the
+            in-process test engine: ``Backend.starts_in_done``), starts what its credit freed on the
+            engine's thread; the ``order`` thread starts what a delivered decision (a follower) or
+            ready report (rank 0 of ``dynamic``) allows. Never waits for the issue lock: when another
+            thread is issuing, the dispatch thread decides as before. Default True; False always
+            hands over to the dispatch thread (docs/ARCHITECTURE.md).
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and
@@ -292,7 +294,7 @@ class SchedulerConfig:
     ready_reports: bool = _UNSET
     thread_nice: int = _UNSET
     verify_order: bool = _UNSET
-    start_on_done: bool = _UNSET
+    direct_start: bool = _UNSET
 
     def __post_init__(self) -> None:
         env = None

@@ -111,16 +111,18 @@ class Scheduler(Closeable):
         # starts them first, before anything decided after them.
         self._handoff: list[Piece] = []
         # CPU seconds commsched's own threads spent in the engine's work rather than in scheduling: the
-        # dispatch thread in backend.start() (the engine's launch), the completion thread in on_done (the
-        # plugin's averaging). Each key is written by one thread only. stats()["engine_cpu_s"].
-        self._engine_cpu = {"launch": 0.0, "on_done": 0.0}
-        # A completion starts what its credit freed on the engine's own thread where the engine allows it
-        # (``Backend.starts_in_done``, ``SchedulerConfig.start_on_done``): no wake-up of the dispatch thread.
-        # ``_callback_cpu``: CPU seconds of completions run on threads that are not commsched's (gloo's),
-        # which the bench's per-thread count cannot see; ``_started_on_done``: pieces started there.
-        self._start_on_done = bool(self.config.start_on_done)
+        # engine's launch in backend.start() (written under the issue lock, by whichever thread issues), the
+        # completion thread in on_done and the engine's thread in on_piece (the plugin's averaging; on_piece
+        # written under _counter_lock). stats()["engine_cpu_s"].
+        self._engine_cpu = {"launch": 0.0, "on_done": 0.0, "on_piece": 0.0}
+        # ``SchedulerConfig.direct_start``: a completion starts what its credit freed on the engine's own
+        # thread where the engine allows it (``Backend.starts_in_done``), and the order thread what a
+        # delivered message allows: no wake-up of the dispatch thread. ``_callback_cpu``: CPU seconds of
+        # completions run on threads that are not commsched's (gloo's), which the bench's per-thread count
+        # cannot see; ``_started_direct``: pieces started on a completion's or on the order thread.
+        self._direct_start = bool(self.config.direct_start)
         self._callback_cpu = 0.0
-        self._started_on_done = 0
+        self._started_direct = {"on_done": 0, "on_delivery": 0}
         self._counter_lock = threading.Lock()
         self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
         self._published_batches = 0  # rank 0: batches of messages pushed to the followers (stats())
@@ -301,11 +303,14 @@ class Scheduler(Closeable):
     def stats(self) -> dict:
         """Pieces and bytes started, tasks, steps, the most bytes in flight, settings; per step: pieces,
         bytes, start order; ``engine_cpu_s``: CPU seconds so far of the dispatch thread in the engine's
-        launches (``launch``; with ``start_on_done`` also the launches on the engine's completion thread)
-        and of the completion thread in ``on_done`` (the plugin's averaging); ``callback_cpu_s``: CPU
+        launches (``launch``; with ``direct_start`` also the launches on the engine's completion thread
+        and the order thread), of the completion thread in ``on_done`` (the plugin's averaging) and of
+        the engine's thread in a task's ``on_piece`` (the plugin's averaging of each range as it lands,
+        ``on_piece``); ``callback_cpu_s``: CPU
         seconds of piece completions run on the engine's own threads (gloo's: not a ``commsched-*``
-        thread, so a per-thread count misses them), launches there included; ``started_on_done``:
-        pieces a completion started on the engine's thread (``SchedulerConfig.start_on_done``).
+        thread, so a per-thread count misses them), launches there included; ``started_direct``: pieces
+        a completion started on the engine's thread (``on_done``) and the order thread started on a
+        delivered decision or report (``on_delivery``) (``SchedulerConfig.direct_start``).
         Rank 0 under ``dynamic``/``static``: ``published_batches`` (messages pushed to the followers,
         in how many batches) and ``decided_ahead`` (pieces published before they started,
         ``SchedulerConfig.decide_ahead``); with ``ready_reports`` under ``dynamic``, ``held_for_reports``
@@ -315,7 +320,7 @@ class Scheduler(Closeable):
             out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
                        ordering=self.config.ordering, engine_cpu_s=dict(self._engine_cpu),
-                       callback_cpu_s=self._callback_cpu, started_on_done=self._started_on_done)
+                       callback_cpu_s=self._callback_cpu, started_direct=dict(self._started_direct))
             if self._state.policy.publishes:  # rank 0 under dynamic/static: how its decisions travelled
                 deciding = getattr(self._state.policy, "inner", self._state.policy)  # planned wraps the leader
                 out.update(published_batches=self._published_batches,
@@ -439,11 +444,13 @@ class Scheduler(Closeable):
         t0 = time.thread_time()
         end = now_us()
         remote = None
+        plugin_s = 0.0
         if exc is None and piece.task.on_piece is not None and not piece.done:
             try:
                 piece.task.on_piece(piece)
             except BaseException as raised:  # the plugin's use of the range failed: so did the piece
                 exc = raised
+            plugin_s = time.thread_time() - t0
         if exc is not None and self._channel is not None and self.world_size > 1:
             remote = self._channel.abort_message(grace_s=1.0)  # did another rank say why it stopped?
         with self._lock:
@@ -454,21 +461,24 @@ class Scheduler(Closeable):
             # The credit this frees matters only to pieces that wait to start: with none, waking the
             # dispatch thread (a wake-up, both locks and a decision of nothing, per piece) is pure cost.
             waiting = bool(len(self._state.unstarted) or self._handoff)
-            if waiting and (exc is not None or not self._start_on_done
+            if waiting and (exc is not None or not self._direct_start
                             or not getattr(self.backend, "starts_in_done", False)):
                 self._poke_dispatch()
                 waiting = False
         if waiting:
-            self._start_freed()
+            self._start_freed("on_done")
         self.timeline.piece(piece, end)
-        if not threading.current_thread().name.startswith("commsched-"):  # the engine's thread (gloo's)
-            spent = time.thread_time() - t0
+        ours = threading.current_thread().name.startswith("commsched-")  # else the engine's thread (gloo's)
+        spent = 0.0 if ours else time.thread_time() - t0
+        if spent or plugin_s:
             with self._counter_lock:  # gloo runs completions on more than one thread
                 self._callback_cpu += spent
+                self._engine_cpu["on_piece"] += plugin_s
 
-    def _start_freed(self) -> None:
-        """On the engine's completion thread (``start_on_done``): decide and start what a landing freed,
-        as the dispatch thread would, without waking it. Never waits for the issue lock: whoever holds it
+    def _start_freed(self, where: str) -> None:
+        """On the engine's completion thread (``where="on_done"``) or the order thread (``"on_delivery"``)
+        under ``direct_start``: decide and start what a landing or a delivered message freed, as the
+        dispatch thread would, without waking it. Never waits for the issue lock: whoever holds it
         is issuing (the dispatch thread decides again after its launch, a submit does not), so the
         dispatch thread is poked instead. A piece the engine completes inside ``start`` comes back here
         with the lock held by this thread and pokes too: no recursion, no deadlock."""
@@ -482,7 +492,7 @@ class Scheduler(Closeable):
                     return
                 handoff, self._handoff = self._handoff, []  # decided earlier: they go first, as on dispatch
                 batch = handoff + self._decide_locked()
-                self._started_on_done += len(batch)
+                self._started_direct[where] += len(batch)
             if batch:
                 self._start(batch, timed=True)
         finally:
@@ -537,7 +547,10 @@ class Scheduler(Closeable):
     def _deliver(self, messages: list[Message]) -> None:
         with self._lock:
             self._state.policy.receive(messages)
-            self._poke_dispatch()
+            if not self._direct_start:
+                self._poke_dispatch()
+                return
+        self._start_freed("on_delivery")
 
     # ------------------------------------------------------------- failures
     def _fail(self, error: BaseException) -> None:

@@ -31,7 +31,7 @@ class Backend(Protocol):
     An engine may also have ``starts_in_done`` (read with ``getattr``, default False): True
     when the thread that calls ``done`` may call ``start`` again (gloo's callbacks; not a
     thread that must only poll, like the CUDA watcher). The scheduler then starts what a
-    completion's credit freed on that thread (``SchedulerConfig.start_on_done``).
+    completion's credit freed on that thread (``SchedulerConfig.direct_start``).
     """
 
     rank: int

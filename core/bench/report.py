@@ -611,15 +611,18 @@ BREAKDOWN_HOW = {
                    "thread's share includes the division of each reduced tensor by the world size, the dispatch "
                    "thread's the engine's launch of each all-reduce. Plus 'callback': the piece completions "
                    "run on the engine's (gloo's) threads (Scheduler.stats()['callback_cpu_s']), which with "
-                   "start_on_done also launch the next pieces there. Does not include submit_s (training thread)",
+                   "direct_start also launch the next pieces there. Does not include submit_s (training thread)",
     "sched_cpu_per_piece_s": "sched_cpu_s x steps / pieces started in the measured steps",
     "sched_engine_cpu_s": "the part of sched_cpu_s that is the engine's and the plugin's work, not scheduling: "
-                          "launch (backend.start() on the dispatch thread or, with start_on_done, on the "
+                          "launch (backend.start() on the dispatch thread or, with direct_start, on the "
                           "engine's completion thread: the all-reduce's launch) and "
                           "on_done (the completion thread inside the plugin's callback: the division by the "
-                          "world size); time.thread_time() around each, Scheduler.stats()['engine_cpu_s']",
-    "sched_own_cpu_per_piece_s": "(sched_cpu_s - launch - on_done) x steps / pieces: the scheduler's own CPU "
-                                 "per piece on its threads (deciding, waking, bookkeeping)",
+                          "world size), on_piece (the engine's thread inside the plugin's callback per landed "
+                          "piece: its range's division); time.thread_time() around each, "
+                          "Scheduler.stats()['engine_cpu_s']",
+    "sched_own_cpu_per_piece_s": "(sched_cpu_s - launch - on_done - on_piece) x steps / pieces: the scheduler's "
+                                 "own CPU per piece on its threads and in the engine's completions (deciding, "
+                                 "waking, bookkeeping)",
     "sched_cpu_by_thread_s": "sched_cpu_s by thread",
     "decision_latency": "leader/follower orderings: per piece of the last recorded steps, rank 0's decision "
                         "(Scheduler.stats()['issue_times'], time.time() when rank 0 started it) to the "

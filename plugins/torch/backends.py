@@ -206,7 +206,7 @@ class TorchBackend:
     @property
     def starts_in_done(self) -> bool:
         """Whether the thread that calls a piece's ``done`` may start the next piece
-        (``SchedulerConfig.start_on_done``): gloo's completion callbacks may, so while no piece took the
+        (``SchedulerConfig.direct_start``): gloo's completion callbacks may, so while no piece took the
         stream/event path (whose watcher never drives the group) or the two-level algorithm."""
         return self.device_streams is None and self._hierarchical is None
 

@@ -83,8 +83,10 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: ``dynamic`` runs measured with ``decide_ahead``, rank 0 publishing an ended step's rest at once; 12:
 #: ``two_level_skew_s``, the two-level runs' start skew, charged to two-level pieces; 13: a fit of
 #: ``per_piece_link_s`` whose stretch of the bytes is at 0 or below falls back to one run's excess; 14:
-#: ``contention`` from compute beside a stream of all-reduces that outlasts it, where one all-reduce ended first).
-CACHE_VERSION = 14
+#: ``contention`` from compute beside a stream of all-reduces that outlasts it, where one all-reduce ended first;
+#: 15: ``dynamic`` runs with ``direct_start`` (pieces started on gloo's and the order thread), and
+#: ``per_piece_steal_s`` counts the piece completions on gloo's threads too).
+CACHE_VERSION = 15
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5
 #: Steps of ``dynamic`` with one piece in flight whose hand-offs the profile measures (after 2

@@ -258,11 +258,11 @@ def test_a_planned_rounds_report_says_which_order_was_forced_over_the_planners()
     assert round_plan({"plan_file": info})["planner_order"] is None
 
 
-def test_hop_reaches_every_commsched_strategy_as_start_on_done_off(monkeypatch):
+def test_hop_reaches_every_commsched_strategy_as_direct_start_off(monkeypatch):
     specs = parse_strategies("dynamic+hop,dynamic,static:1MiB/4MiB+hop,auto+hop+noahead,fifo+hop,planned+hop")
-    assert [s.start_on_done for s in specs] == [False, True, False, False, False, False]
+    assert [s.direct_start for s in specs] == [False, True, False, False, False, False]
     for bad in ("ddp+hop", "horovod+hop", "dynamic+hop+hop", "dynamic+hop=1"):
-        with pytest.raises(ValueError, match=r"\+hop \(a completion wakes the dispatch thread"):
+        with pytest.raises(ValueError, match=r"\+hop \(a completion or a delivered decision wakes the dispatch thread"):
             parse_strategies(bad)
     pytest.importorskip("torch")
     import commsched.plugins.torch.bench.strategies as strategies
@@ -271,7 +271,7 @@ def test_hop_reaches_every_commsched_strategy_as_start_on_done_off(monkeypatch):
 
     class Recorder:
         def __init__(self, model, make_opt, *args, **kw):
-            made.append(kw["start_on_done"])
+            made.append(kw["direct_start"])
 
     monkeypatch.setattr(strategies, "CommschedStrategy", Recorder)
     monkeypatch.setattr(strategies, "PlannedStrategy", Recorder)

@@ -288,7 +288,8 @@ def _burn(seconds: float) -> None:
 
 def test_stats_split_the_threads_cpu_spent_in_the_engine_and_in_on_done():
     """engine_cpu_s: the dispatch thread's CPU inside backend.start() (a piece too big to launch on
-    the submitting thread) and the completion thread's inside on_done, each counted where it ran."""
+    the submitting thread), the completion thread's inside on_done and the engine thread's inside on_piece,
+    each counted where it ran."""
     world = InProcessWorld(1)
     try:
         backend = world.backend(0)
@@ -301,12 +302,16 @@ def test_stats_split_the_threads_cpu_spent_in_the_engine_and_in_on_done():
         backend.start = slow_start
         s = Scheduler(backend, ArrayOps(), SchedulerConfig(timeout_s=10, partition_bytes=64 << 20))
         with s:
-            assert s.stats()["engine_cpu_s"] == {"launch": 0.0, "on_done": 0.0}
+            assert s.stats()["engine_cpu_s"] == {"launch": 0.0, "on_done": 0.0, "on_piece": 0.0}
             big = doubles((2 << 20) // 8)  # 2 MiB: over INLINE_MAX_BYTES, so the dispatch thread launches it
-            s.wait(s.submit("big", big, on_done=lambda task: _burn(0.005)))
+            s.wait(s.submit("big", big, on_done=lambda task: _burn(0.005),
+                            on_piece=lambda piece: _burn(0.005)))
             s.mark_step()
-            cpu = s.stats()["engine_cpu_s"]
-        assert cpu["launch"] >= 0.005 and cpu["on_done"] >= 0.005, cpu
+            stats = s.stats()
+            cpu = stats["engine_cpu_s"]
+        assert cpu["launch"] >= 0.005 and cpu["on_done"] >= 0.005 and cpu["on_piece"] >= 0.005, cpu
+        # the completion ran on the in-process engine's link thread, not one of commsched's: counted whole
+        assert stats["callback_cpu_s"] >= cpu["on_piece"]
     finally:
         world.close()
 

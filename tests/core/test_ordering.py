@@ -518,7 +518,7 @@ def test_a_name_submitted_twice_in_a_step_before_it_started_is_rejected():
 
 @pytest.mark.parametrize("allowed", [True, False], ids=["start-on-done", "via-dispatch"])
 def test_a_completion_starts_what_its_credit_freed_on_the_engines_thread_where_the_engine_allows(allowed):
-    # SchedulerConfig.start_on_done: an engine whose completion thread may start collectives
+    # SchedulerConfig.direct_start: an engine whose completion thread may start collectives
     # (Backend.starts_in_done: gloo's callbacks) gets the next piece started right there, one wake-up of
     # the dispatch thread less per piece; the CPU of that completion is counted (callback_cpu_s), since
     # the engine's thread is not one of commsched's. Off (or an engine without it): the dispatch thread.
@@ -533,7 +533,7 @@ def test_a_completion_starts_what_its_credit_freed_on_the_engines_thread_where_t
 
     backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": False, "start": start,
                                   "starts_in_done": True})()
-    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10, start_on_done=allowed)
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10, direct_start=allowed)
     with Scheduler(backend, ArrayOps(), cfg) as sched:
         futures = [sched.submit(f"t{i}", doubles(2, 1.0), priority=i) for i in range(3)]  # 16 B each
         with lock:
@@ -551,11 +551,11 @@ def test_a_completion_starts_what_its_credit_freed_on_the_engines_thread_where_t
         for f in futures:
             sched.wait(f, timeout=5)
         stats = sched.stats()
-    assert stats["started_on_done"] == (1 if allowed else 0)
+    assert stats["started_direct"]["on_done"] == (1 if allowed else 0)
     assert stats["callback_cpu_s"] > 0  # the engine thread's completion, counted either way
 
 
-def test_an_engine_that_completes_inside_start_neither_deadlocks_nor_recurses_with_start_on_done():
+def test_an_engine_that_completes_inside_start_neither_deadlocks_nor_recurses_with_direct_start():
     # A completion inside start() (an engine refusing a piece, or finishing at once) arrives while this
     # thread holds the issue lock: it must not wait for it (deadlock) nor start from within (recursion).
     started: list[str] = []
@@ -592,7 +592,7 @@ def test_ranks_agree_on_the_order_when_completions_start_pieces_on_the_link_thre
         sched.mark_step()
         for f in futures:
             sched.wait(f, timeout=10)
-        return tensors, sched.stats()["started_on_done"]
+        return tensors, sched.stats()["started_direct"]["on_done"]
 
     cfg = SchedulerConfig(partition_bytes=32, credit_bytes=64, timeout_s=10)
     run = ranks(2, body, config=cfg, bandwidth_bytes_per_s=2e6)
@@ -602,3 +602,38 @@ def test_ranks_agree_on_the_order_when_completions_start_pieces_on_the_link_thre
     for tensors, _ in run.results:
         assert [t[0] for t in tensors] == [float(3 + 2 * i) for i in range(n)]
     assert all(on_done > 0 for _, on_done in run.results)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "via-dispatch"])
+def test_a_follower_starts_pieces_on_its_order_thread_as_rank0s_decisions_arrive(ranks, direct):
+    # direct_start: a follower whose gradients all wait for rank 0's decisions starts each decided piece on
+    # the order thread that delivered the decision, not by waking its dispatch thread; rank 0's order is
+    # kept either way.
+    n = 12
+    submitted = threading.Barrier(2, timeout=10)
+    threads: list[str] = []
+
+    def body(rank, sched):
+        tensors = [doubles(4, float(rank + 1)) for _ in range(n)]
+        if rank == 0:
+            submitted.wait()  # the follower's gradients are all queued, undecided
+        futures = [sched.submit(f"g{i}", t, priority=i) for i, t in enumerate(tensors)]
+        sched.mark_step()
+        if rank == 1:
+            submitted.wait()
+        for f in futures:
+            sched.wait(f, timeout=10)
+        return sched.stats()["started_direct"]
+
+    cfg = SchedulerConfig(ordering="dynamic", partition_bytes=32, credit_bytes=64, timeout_s=10,
+                          direct_start=direct)
+    run = ranks(2, body, config=cfg, observers={1: lambda piece, queued, nbytes: threads.append(
+        threading.current_thread().name)})
+    run.raise_first()
+    assert run.world.mismatches == [] and run.world.issued[0] == run.world.issued[1]
+    assert len(threads) == n
+    on_order = threads.count("commsched-order-r1")
+    if direct:
+        assert run.results[1]["on_delivery"] > 0 and on_order == run.results[1]["on_delivery"]
+    else:
+        assert run.results[1] == {"on_done": 0, "on_delivery": 0} and on_order == 0

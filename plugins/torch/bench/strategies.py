@@ -169,7 +169,7 @@ class CommschedStrategy(Strategy):
                  topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
                  split_tied: bool = False, fusion_bytes: int | None = None, decide_ahead: bool = True,
                  reducer_bytes: int | None = None, ready_reports: bool = True,
-                 thread_nice: int | None = None, verify_order: bool = True, start_on_done: bool = True) -> None:
+                 thread_nice: int | None = None, verify_order: bool = True, direct_start: bool = True) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -187,7 +187,7 @@ class CommschedStrategy(Strategy):
             partition_bytes=partition_bytes, credit_bytes=credit_bytes, ordering=ordering,
             cross_iteration=cross_iteration, timeline=timeline, plan=plan, priority=priority,
             decide_ahead=decide_ahead, ready_reports=ready_reports, verify_order=verify_order,
-            start_on_done=start_on_done, **chosen,
+            direct_start=direct_start, **chosen,
         )
         opt = DistributedOptimizer(make_opt(model.parameters()), model, backend="torch",
                                    config=config, topology=topology, split_tied_embeddings=split_tied)
@@ -246,14 +246,14 @@ class PlannedStrategy(CommschedStrategy):
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
                  timeline: str | None, split_tied: bool = False, decide_ahead: bool = True,
                  ready_reports: bool = True, thread_nice: int | None = None, verify_order: bool = True,
-                 order: str | None = None, start_on_done: bool = True) -> None:
+                 order: str | None = None, direct_start: bool = True) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
         self.plan_info = _shared_plan(run_spec, rank, path, split_tied, order)
         self._rank = rank
         super().__init__(model, make_opt, "planned", run_spec["partition_bytes"], run_spec["credit_bytes"],
                          timeline, plan=path, split_tied=split_tied, decide_ahead=decide_ahead,
                          ready_reports=ready_reports, thread_nice=thread_nice, verify_order=verify_order,
-                         start_on_done=start_on_done)
+                         direct_start=direct_start)
 
     def stats(self) -> dict[str, Any]:
         info = dict(self.plan_info)
@@ -415,7 +415,7 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     # completion wakes the dispatch thread to start what it freed, never starting it on gloo's thread)
     mods = {"split_tied": spec.split_tied, "fusion_bytes": spec.fusion_bytes, "decide_ahead": spec.decide_ahead,
             "ready_reports": spec.ready_reports, "thread_nice": spec.thread_nice, "verify_order": spec.verify_order,
-            "start_on_done": spec.start_on_done}
+            "direct_start": spec.direct_start}
     if spec.kind == "ddp":
         return DDPStrategy(model, make_opt, spec.bucket_mb)
     if spec.kind == "allreduce":
@@ -426,7 +426,7 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
         return PlannedStrategy(model, make_opt, run_spec, rank, timeline, split_tied=spec.split_tied,
                                decide_ahead=spec.decide_ahead, ready_reports=spec.ready_reports,
                                thread_nice=spec.thread_nice, verify_order=spec.verify_order,
-                               order=spec.plan_order, start_on_done=spec.start_on_done)
+                               order=spec.plan_order, direct_start=spec.direct_start)
     if spec.kind in ("auto", "slack"):  # the tuner's start point and the slack rule see the emulated network
         from commsched.costmodel.topology import Topology
 
