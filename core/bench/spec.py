@@ -58,10 +58,10 @@ class StrategySpec:
     #: ``<commsched strategy>+noverify``: ``SchedulerConfig(verify_order=False)``, no check of each fifo step's
     #: order after it (:mod:`commsched.order_check`): what that check costs, side by side
     verify_order: bool = True
-    #: ``<commsched strategy>+hop``: ``SchedulerConfig(direct_start=False)``, a piece's completion (and a
-    #: delivered decision or ready report) wakes the dispatch thread to start what it freed, never starting it on
-    #: the engine's (gloo's) or the order thread: what that thread hop costs, side by side
-    direct_start: bool = True
+    #: ``<commsched strategy>+direct``: ``SchedulerConfig(direct_start=True)``, a piece's completion (on gloo's
+    #: thread) and a delivered decision or ready report (on the order thread) start what they freed themselves,
+    #: without waking the dispatch thread: what that thread hop costs, side by side
+    direct_start: bool = False
     #: ``planned+order=<fixed|priority|observed>``: the plan's pieces (groups, sizes, algorithms, credit) go in
     #: that order instead of the one the planner chose (:data:`commsched.plan.ORDERS`); None: the planner's.
     #: What the order costs or gains, side by side with the same pieces
@@ -112,7 +112,7 @@ def parse_strategies(text: str) -> list[StrategySpec]:
                                          decide_ahead="noahead" not in kinds,
                                          ready_reports="noreports" not in kinds,
                                          verify_order="noverify" not in kinds,
-                                         direct_start="hop" not in kinds,
+                                         direct_start="direct" in kinds,
                                          thread_nice=_nice(name, modifiers),
                                          plan_order=plan_order_of(name, modifiers)))
     if not specs:
@@ -131,7 +131,7 @@ MODIFIERS = {
     "noreports": "+noreports (rank 0 decides on its own readiness, without the other ranks' ready reports)",
     "nice": "+nice=<n> (commsched's threads n steps below the training thread's CPU priority, 0-19)",
     "noverify": "+noverify (no check of each fifo step's order after it)",
-    "hop": "+hop (a completion or a delivered decision wakes the dispatch thread to start what it freed)",
+    "direct": "+direct (a completion or a delivered decision starts what it freed itself, not the dispatch thread)",
     "order": "+order=<fixed|priority|observed> (planned only: the plan's pieces in that order, not the planner's)",
 }
 #: the modifiers that take a value (``+fuse=<size>``, ``+nice=<n>``, ``+order=<order>``)

@@ -84,8 +84,7 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "commsched" / "profiles"
 #: ``two_level_skew_s``, the two-level runs' start skew, charged to two-level pieces; 13: a fit of
 #: ``per_piece_link_s`` whose stretch of the bytes is at 0 or below falls back to one run's excess; 14:
 #: ``contention`` from compute beside a stream of all-reduces that outlasts it, where one all-reduce ended first;
-#: 15: ``dynamic`` runs with ``direct_start`` (pieces started on gloo's and the order thread), and
-#: ``per_piece_steal_s`` counts the piece completions on gloo's threads too).
+#: 15: ``per_piece_steal_s`` counts the piece completions on gloo's threads too, the plugin's ``on_piece`` included).
 CACHE_VERSION = 15
 #: Steps of ``dynamic`` the profile runs to measure commsched's thread CPU per piece (after 2 unmeasured).
 SCHED_CPU_STEPS = 5

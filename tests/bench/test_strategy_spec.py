@@ -258,11 +258,12 @@ def test_a_planned_rounds_report_says_which_order_was_forced_over_the_planners()
     assert round_plan({"plan_file": info})["planner_order"] is None
 
 
-def test_hop_reaches_every_commsched_strategy_as_direct_start_off(monkeypatch):
-    specs = parse_strategies("dynamic+hop,dynamic,static:1MiB/4MiB+hop,auto+hop+noahead,fifo+hop,planned+hop")
-    assert [s.direct_start for s in specs] == [False, True, False, False, False, False]
-    for bad in ("ddp+hop", "horovod+hop", "dynamic+hop+hop", "dynamic+hop=1"):
-        with pytest.raises(ValueError, match=r"\+hop \(a completion or a delivered decision wakes the dispatch thread"):
+def test_direct_reaches_every_commsched_strategy_as_direct_start_on(monkeypatch):
+    specs = parse_strategies("dynamic+direct,dynamic,static:1MiB/4MiB+direct,auto+direct+noahead,fifo+direct,"
+                             "planned+direct")
+    assert [s.direct_start for s in specs] == [True, False, True, True, True, True]
+    for bad in ("ddp+direct", "horovod+direct", "dynamic+direct+direct", "dynamic+direct=1"):
+        with pytest.raises(ValueError, match=r"\+direct \(a completion or a delivered decision starts what it freed"):
             parse_strategies(bad)
     pytest.importorskip("torch")
     import commsched.plugins.torch.bench.strategies as strategies
@@ -279,4 +280,4 @@ def test_hop_reaches_every_commsched_strategy_as_direct_start_off(monkeypatch):
                 "bandwidth": "1gbit"}
     for spec in specs:
         strategies.make_strategy(spec, None, None, run_spec=run_spec, rank=0, timeline=None)
-    assert made == [False, True, False, False, False, False]
+    assert made == [True, False, True, True, True, True]

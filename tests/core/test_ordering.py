@@ -570,7 +570,7 @@ def test_an_engine_that_completes_inside_start_neither_deadlocks_nor_recurses_wi
 
     backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": False, "start": start,
                                   "starts_in_done": True})()
-    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=16, timeout_s=10)
+    cfg = SchedulerConfig(partition_bytes=16, credit_bytes=16, timeout_s=10, direct_start=True)
     with Scheduler(backend, ArrayOps(), cfg) as sched:
         futures = [sched.submit(f"t{i}", doubles(4, 1.0), priority=i) for i in range(20)]  # 2 pieces each
         sched.mark_step()
@@ -594,7 +594,7 @@ def test_ranks_agree_on_the_order_when_completions_start_pieces_on_the_link_thre
             sched.wait(f, timeout=10)
         return tensors, sched.stats()["started_direct"]["on_done"]
 
-    cfg = SchedulerConfig(partition_bytes=32, credit_bytes=64, timeout_s=10)
+    cfg = SchedulerConfig(partition_bytes=32, credit_bytes=64, timeout_s=10, direct_start=True)
     run = ranks(2, body, config=cfg, bandwidth_bytes_per_s=2e6)
     run.raise_first()
     assert run.world.mismatches == []

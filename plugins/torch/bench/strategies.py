@@ -169,7 +169,7 @@ class CommschedStrategy(Strategy):
                  topology: Any = None, priority: str = "layer", cross_iteration: bool = True,
                  split_tied: bool = False, fusion_bytes: int | None = None, decide_ahead: bool = True,
                  reducer_bytes: int | None = None, ready_reports: bool = True,
-                 thread_nice: int | None = None, verify_order: bool = True, direct_start: bool = True) -> None:
+                 thread_nice: int | None = None, verify_order: bool = True, direct_start: bool = False) -> None:
         try:
             import commsched
             from commsched.plugins.torch import DistributedOptimizer
@@ -246,7 +246,7 @@ class PlannedStrategy(CommschedStrategy):
     def __init__(self, model: nn.Module, make_opt: Callable, run_spec: dict, rank: int,
                  timeline: str | None, split_tied: bool = False, decide_ahead: bool = True,
                  ready_reports: bool = True, thread_nice: int | None = None, verify_order: bool = True,
-                 order: str | None = None, direct_start: bool = True) -> None:
+                 order: str | None = None, direct_start: bool = False) -> None:
         path = os.path.join(run_spec["run_dir"], "plan.json")
         self.plan_info = _shared_plan(run_spec, rank, path, split_tied, order)
         self._rank = rank
@@ -411,8 +411,8 @@ def _make_strategy(spec: StrategySpec, model: nn.Module, make_opt: Callable, *,
     # every commsched strategy's modifiers: +tied (split tied embeddings), +fuse=<size> (its own fusion
     # threshold; not on planned, whose plan fixes its groups), +noahead (rank 0 publishes each decision
     # as its piece starts), +noreports (rank 0 decides on its own readiness), +nice=<n> (commsched's threads
-    # below the training thread's CPU priority), +noverify (no check of each fifo step's order) and +hop (a
-    # completion wakes the dispatch thread to start what it freed, never starting it on gloo's thread)
+    # below the training thread's CPU priority), +noverify (no check of each fifo step's order) and +direct (a
+    # completion, on gloo's thread, or a delivered decision starts what it freed itself)
     mods = {"split_tied": spec.split_tied, "fusion_bytes": spec.fusion_bytes, "decide_ahead": spec.decide_ahead,
             "ready_reports": spec.ready_reports, "thread_nice": spec.thread_nice, "verify_order": spec.verify_order,
             "direct_start": spec.direct_start}
