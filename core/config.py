@@ -273,8 +273,8 @@ class SchedulerConfig:
             engine's thread; the ``order`` thread starts what a delivered decision (a follower) or
             ready report (rank 0 of ``dynamic``) allows. Never waits for the issue lock: when another
             thread is issuing, the dispatch thread decides as before. Default False: it cuts the
-            scheduler's CPU per piece by a fifth to a quarter, but measured ``dynamic`` 2-9 % slower a
-            step on the contended 2-core bench (balanced, gpt2) while 1-3 % faster on comm-heavy
+            scheduler's own CPU per piece by 15-32 %, but measured ``dynamic`` 2-9 % slower a step
+            on the contended 2-core bench (balanced, gpt2) while about 2 % faster on comm-heavy
             (docs/tuning.md, "Starting the next piece where its credit frees").
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
