@@ -70,6 +70,23 @@ class CountingStore(InMemoryStore):
         super().push(queue, value)
 
 
+def holding_engine(negotiates: bool = False, **attrs):
+    """A one-rank engine that records each start as (piece name, thread name) and keeps its ``done`` for
+    the test to call: returns the engine, the starts, the held callbacks and the lock guarding both."""
+    started: list[tuple[str, str]] = []
+    held: list = []
+    lock = threading.Lock()
+
+    def start(_self, piece, done):
+        with lock:
+            started.append((piece.name, threading.current_thread().name))
+            held.append(done)
+
+    engine = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": negotiates, "start": start,
+                                 **attrs})()
+    return engine, started, held, lock
+
+
 def doubles(n: int, value: float = 1.0) -> array.array:
     return array.array("d", [value] * n)
 
@@ -436,16 +453,7 @@ def test_submit_starts_what_fits_on_its_own_thread(negotiates):
     # One thread hop less per piece: submit() starts what the credit allows at once, on the caller's
     # thread; what the credit holds back starts from the dispatch thread once a completion frees it.
     # On an engine that runs collectives in issue order (gloo, NCCL) both issue under one lock.
-    started: list[tuple[str, str]] = []
-    held: list = []
-    lock = threading.Lock()
-
-    def start(_self, piece, done):
-        with lock:
-            started.append((piece.name, threading.current_thread().name))
-            held.append(done)
-
-    backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": negotiates, "start": start})()
+    backend, started, held, lock = holding_engine(negotiates)
     cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10)
     with Scheduler(backend, ArrayOps(), cfg) as sched:
         futures = [sched.submit(f"t{i}", doubles(2, 1.0), priority=i) for i in range(3)]  # 16 B each
@@ -522,17 +530,7 @@ def test_a_completion_starts_what_its_credit_freed_on_the_engines_thread_where_t
     # (Backend.starts_in_done: gloo's callbacks) gets the next piece started right there, one wake-up of
     # the dispatch thread less per piece; the CPU of that completion is counted (callback_cpu_s), since
     # the engine's thread is not one of commsched's. Off (or an engine without it): the dispatch thread.
-    started: list[tuple[str, str]] = []
-    held: list = []
-    lock = threading.Lock()
-
-    def start(_self, piece, done):
-        with lock:
-            started.append((piece.name, threading.current_thread().name))
-            held.append(done)
-
-    backend = type("Engine", (), {"rank": 0, "world_size": 1, "negotiates_order": False, "start": start,
-                                  "starts_in_done": True})()
+    backend, started, held, lock = holding_engine(starts_in_done=True)
     cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10, direct_start=allowed)
     with Scheduler(backend, ArrayOps(), cfg) as sched:
         futures = [sched.submit(f"t{i}", doubles(2, 1.0), priority=i) for i in range(3)]  # 16 B each
