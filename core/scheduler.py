@@ -409,6 +409,12 @@ class Scheduler(Closeable):
             self._publish_cv.notify()
         return batch
 
+    def _next_batch_locked(self) -> list[Piece]:
+        """What to start now (both locks held): the pieces handed over earlier first, in their decided order,
+        then whatever the policy decides now."""
+        handoff, self._handoff = self._handoff, []
+        return handoff + self._decide_locked()
+
     def _start(self, batch: list[Piece], timed: bool = False) -> None:
         """Hand ``batch`` to the engine (lock not held); a piece the engine refuses completes with its error.
         ``timed`` (the dispatch thread): its CPU time counts as ``engine_cpu_s["launch"]``."""
@@ -429,8 +435,7 @@ class Scheduler(Closeable):
                     if self._closing or self._state.error is not None:
                         return
                     seen = self._work_gen
-                    handoff, self._handoff = self._handoff, []
-                    batch = handoff + self._decide_locked()
+                    batch = self._next_batch_locked()
                 if batch:
                     self._start(batch, timed=True)
                     continue
@@ -490,8 +495,7 @@ class Scheduler(Closeable):
             with self._lock:
                 if self._closing or self._state.error is not None:
                     return
-                handoff, self._handoff = self._handoff, []  # decided earlier: they go first, as on dispatch
-                batch = handoff + self._decide_locked()
+                batch = self._next_batch_locked()
                 self._started_direct[where] += len(batch)
             if batch:
                 self._start(batch, timed=True)
