@@ -319,7 +319,8 @@ class Scheduler(Closeable):
         with self._lock:
             out = dict(self._state.counters.snapshot(), steps=self._state.step, mode=self.mode,
                        credit_bytes=self.config.credit_bytes, partition_bytes=self.config.partition_bytes,
-                       ordering=self.config.ordering, engine_cpu_s=dict(self._engine_cpu),
+                       ordering=self.config.ordering, direct_start=self._direct_start,
+                       engine_cpu_s=dict(self._engine_cpu),
                        callback_cpu_s=self._callback_cpu, started_direct=dict(self._started_direct))
             if self._state.policy.publishes:  # rank 0 under dynamic/static: how its decisions travelled
                 deciding = getattr(self._state.policy, "inner", self._state.policy)  # planned wraps the leader

@@ -133,6 +133,11 @@ class Settings:
     #: every reduction and runs the wrapped optimizer once, as DDP does. No forward waits and no
     #: per-layer applies; what wins where communication is hidden already and the cores are busy
     cross_iteration: bool = True
+    #: ``SchedulerConfig(direct_start=...)``: a piece's completion (on an engine whose callback may start
+    #: collectives) and the order thread start what they freed, without waking the dispatch thread.
+    #: Measured both ways by workload (faster on comm-heavy, slower where compute fills the cores:
+    #: docs/tuning.md), so the tuner's to choose; no meaning for torch's reducer (False there)
+    direct_start: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,16 +145,18 @@ class Settings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Settings":
         return cls(str(data["ordering"]), int(data["partition_bytes"]), int(data["credit_bytes"]),
-                   int(data["fusion_bytes"]), str(data.get("plan", "")), bool(data.get("cross_iteration", True)))
+                   int(data["fusion_bytes"]), str(data.get("plan", "")), bool(data.get("cross_iteration", True)),
+                   bool(data.get("direct_start", False)))
 
     def describe(self) -> str:
+        direct = " direct-start" if self.direct_start else ""
         if self.ordering == PLANNED:
-            return f"planned (plan {self.plan[:12]}, credit={_size(self.credit_bytes)})"
+            return f"planned (plan {self.plan[:12]}, credit={_size(self.credit_bytes)}){direct}"
         if self.ordering == REDUCER:
             return f"torch's reducer (DDP's, buckets {_size(self.fusion_bytes)}) synchronous"
         return (f"{self.ordering} partition={_size(self.partition_bytes)} credit={_size(self.credit_bytes)} "
                 f"fusion={_size(self.fusion_bytes) if self.fusion_bytes else 'off'}"
-                + ("" if self.cross_iteration else " synchronous"))
+                + ("" if self.cross_iteration else " synchronous") + direct)
 
 
 def _size(n: int) -> str:
@@ -169,6 +176,9 @@ class SearchSpace:
     #: cross-iteration overlap on (True) or the synchronous path (False); ``(False,)`` where the user
     #: asked for the synchronous path, ``(True, False)`` where the tuner may choose
     cross_iterations: tuple[bool, ...] = (True, False)
+    #: ``direct_start`` off only (``(False,)``, the default), on only, or both (``(False, True)``: the
+    #: PyTorch plugin's where the engine's completions may start collectives, gloo's path)
+    direct_starts: tuple[bool, ...] = (False,)
 
     def __post_init__(self) -> None:
         known = ("dynamic", "static", "fifo")
@@ -184,6 +194,10 @@ class SearchSpace:
                 len(set(self.cross_iterations)) != len(self.cross_iterations):
             raise ValueError(f"SearchSpace.cross_iterations={self.cross_iterations!r}: use (True, False), (True,) "
                              "or (False,)")
+        if not self.direct_starts or any(not isinstance(v, bool) for v in self.direct_starts) or \
+                len(set(self.direct_starts)) != len(self.direct_starts):
+            raise ValueError(f"SearchSpace.direct_starts={self.direct_starts!r}: use (False, True), (False,) "
+                             "or (True,)")
 
     def nearest(self, s: Settings) -> Settings:
         """``s`` moved onto the grid (each value to the nearest choice; an unknown ordering to the first)."""
@@ -192,7 +206,8 @@ class SearchSpace:
         return Settings(s.ordering if s.ordering in self.orderings else self.orderings[0],
                         near(self.partitions, s.partition_bytes), near(self.credits, s.credit_bytes),
                         near(self.fusions, s.fusion_bytes), cross_iteration=s.cross_iteration
-                        if s.cross_iteration in self.cross_iterations else self.cross_iterations[0])
+                        if s.cross_iteration in self.cross_iterations else self.cross_iterations[0],
+                        direct_start=s.direct_start if s.direct_start in self.direct_starts else self.direct_starts[0])
 
 
 class Sampler(Protocol):
@@ -220,7 +235,8 @@ class OptunaSampler:
                        "partition_bytes": optuna.distributions.CategoricalDistribution(space.partitions),
                        "credit_bytes": optuna.distributions.CategoricalDistribution(space.credits),
                        "fusion_bytes": optuna.distributions.CategoricalDistribution(space.fusions),
-                       "cross_iteration": optuna.distributions.CategoricalDistribution(space.cross_iterations)}
+                       "cross_iteration": optuna.distributions.CategoricalDistribution(space.cross_iterations),
+                       "direct_start": optuna.distributions.CategoricalDistribution(space.direct_starts)}
         self._study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(
             seed=seed, n_startup_trials=5))
         self._space = space

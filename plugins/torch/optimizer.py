@@ -806,14 +806,20 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         step, gradient accumulation, split tied embeddings: :meth:`_reducer_unavailable`), DDP's shape
         inside commsched instead: fifo on the synchronous path with small buckets as the fusion
         threshold (:data:`DDP_SMALL_BUCKET_BYTES`) and with DDP's default bucket (:data:`DDP_BUCKET_BYTES`)."""
-        cross = self._requested.cross_iteration
+        cross, direct = self._requested.cross_iteration, self._requested.direct_start
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
-                       self._requested.fusion_bytes, cross_iteration=cross)
+                       self._requested.fusion_bytes, cross_iteration=cross, direct_start=direct)
         plain_fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, self._requested.fusion_bytes,
-                              cross_iteration=cross)
+                              cross_iteration=cross, direct_start=direct)
         # The synchronous path is the tuner's to choose only where the user asked for cross-iteration
         # (a user who asked for the synchronous path reads p.grad or uses a closure or AMP: it stays).
-        space = SearchSpace(cross_iterations=(True, False) if cross else (False,))
+        # direct_start is the tuner's where a completion may start the next piece (gloo's path): measured
+        # faster on comm-heavy and slower where compute fills the cores (docs/tuning.md), so the config's
+        # own settings are measured both ways; elsewhere it would only move the order thread's starts.
+        both = bool(getattr(self._backend, "starts_in_done", False))
+        space = SearchSpace(cross_iterations=(True, False) if cross else (False,),
+                            direct_starts=(False, True) if both else (direct,))
+        twin = (dataclasses.replace(own, direct_start=not direct),) if both else ()
         why_not = self._reducer_unavailable()
         if why_not is None:
             ddp = tuple(Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, b, cross_iteration=False)
@@ -830,9 +836,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if why_not is not None:
             self._auto_notes.append(f"torch's reducer is not among the starts: {why_not}")
             tuner_log.info("%s", self._auto_notes[-1])
-        starts = [s if s.ordering == PLANNED or s.cross_iteration in space.cross_iterations
-                  else dataclasses.replace(s, cross_iteration=cross) for s in found.starts] or [own]
-        return Tuner(starts[0], extra_starts=(*starts[1:], own, *last), space=space, **TUNER_OPTIONS)
+        starts = [dataclasses.replace(s, direct_start=direct) if s.ordering == PLANNED or
+                  s.cross_iteration in space.cross_iterations else
+                  dataclasses.replace(s, cross_iteration=cross, direct_start=direct) for s in found.starts] or [own]
+        return Tuner(starts[0], extra_starts=(*starts[1:], own, *twin, *last), space=space, **TUNER_OPTIONS)
 
     def _with_plan(self, decision: Decision) -> Decision:
         """Rank 0: a decision to run a planned start carries its plan, for every rank."""
@@ -862,14 +869,15 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                           reducer_bytes=decision.settings.fusion_bytes)
             self.plan = plan
         elif decision.plan is not None:  # a plan runs on the path the user asked for
+            direct = decision.settings.direct_start if decision.settings is not None else self._requested.direct_start
             self._rebuild(dataclasses.replace(self.config, ordering="planned", plan=None,
-                                              cross_iteration=self._requested.cross_iteration),
+                                              cross_iteration=self._requested.cross_iteration, direct_start=direct),
                           plan=Plan.from_dict(decision.plan))
         elif decision.settings is not None:
             st = decision.settings
             self._rebuild(dataclasses.replace(self.config, ordering=st.ordering, partition_bytes=st.partition_bytes,
                                               credit_bytes=st.credit_bytes, fusion_bytes=st.fusion_bytes, plan=None,
-                                              cross_iteration=st.cross_iteration))
+                                              cross_iteration=st.cross_iteration, direct_start=st.direct_start))
 
     def _rebuild(self, config: SchedulerConfig, plan: Optional[Plan] = None,
                  reducer_bytes: Optional[int] = None) -> None:
@@ -1755,7 +1763,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                       pending_decision=self._pending_decision, model=list(self._auto_notes),
                                       settings={k: self.config.__dict__[k] for k in (
                                           "ordering", "partition_bytes", "credit_bytes", "fusion_bytes",
-                                          "cross_iteration")})}
+                                          "cross_iteration", "direct_start")})}
         two_level = getattr(self._backend, "hierarchical", None)
         two_level = two_level if two_level is not None and not getattr(two_level, "flat", True) else None
         return {

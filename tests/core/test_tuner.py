@@ -112,6 +112,36 @@ def test_settings_carry_the_path_through_a_decision_and_read_old_ones_as_cross_i
     assert Settings.from_dict(old) == DEFAULT and DEFAULT.cross_iteration is True
 
 
+def test_settings_carry_direct_start_through_a_decision_and_read_old_ones_as_off():
+    direct = Settings("dynamic", MIB, 4 * MIB, 0, direct_start=True)
+    again = Decision.decode(Decision(settings=direct, next=9, reason="r").encode()).settings
+    assert again == direct and again != Settings("dynamic", MIB, 4 * MIB, 0)
+    assert direct.describe().endswith(" direct-start") and "direct" not in DEFAULT.describe()
+    old = {k: v for k, v in DEFAULT.to_dict().items() if k != "direct_start"}  # a decision of before
+    assert Settings.from_dict(old) == DEFAULT and DEFAULT.direct_start is False
+
+
+def test_direct_start_is_searched_only_where_the_space_allows_both():
+    """The PyTorch plugin's space has both values where gloo's completions may start pieces; TPE then
+    proposes both, and a start told off the grid keeps its value. A space of one value proposes only it."""
+    pytest.importorskip("optuna")
+    from commsched.tuner import OptunaSampler
+
+    assert SearchSpace().direct_starts == (False,)  # other drivers: unchanged
+    both = SearchSpace(direct_starts=(False, True))
+    sampler = OptunaSampler(both, seed=0)
+    assert {sampler.ask().direct_start for _ in range(16)} == {False, True}
+    assert both.nearest(Settings("dynamic", 3 * MIB, 5 * MIB, 0, direct_start=True)).direct_start is True
+    only = SearchSpace(direct_starts=(True,))
+    sampler = OptunaSampler(only, seed=0)
+    assert all(sampler.ask().direct_start for _ in range(8))
+    assert only.nearest(DEFAULT).direct_start is True
+    sampler.tell(DEFAULT, 0.1)  # off the grid: stored at its nearest point, direct
+    for bad in ((), (True, True), (1,)):
+        with pytest.raises(ValueError, match="direct_starts"):
+            SearchSpace(direct_starts=bad)
+
+
 def test_a_better_sample_is_confirmed_by_a_second_measurement_before_it_is_kept():
     tuner = Tuner(DEFAULT, extra_starts=(FIFO_PLAIN,), seed=0)
     drive(tuner, hidden_comm, 400)

@@ -174,3 +174,48 @@ def test_auto_measures_the_planners_plan_first_when_the_model_predicts_it_ahead(
     # it moved on to the runtime settings afterwards, on the same engine (the plan's process groups kept)
     assert any(s["settings"] and s["settings"]["ordering"] != "planned" for s in stats["tuner"]["switches"][1:])
 
+
+
+def test_auto_measures_its_own_settings_with_and_without_direct_start_where_gloo_may_start_pieces(monkeypatch):
+    """On gloo's path a completion may start the next piece (``direct_start``), which is measured faster on
+    comm-heavy and slower where compute fills the cores: the tuner measures the config's own settings both
+    ways, and a switch to either rebuilds the scheduler with it (its pieces then start on the engine's thread)."""
+    monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=4,
+                                                                check_every=100))
+    monkeypatch.setattr(optimizer_module, "REDUCER_BUCKETS", ())
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="auto", partition_bytes=64,
+                                                                credit_bytes=128, timeout_s=30))
+    train(opt, model, 40)
+    stats = opt.stats()
+    retired = [dict(r) for r in opt._retired]
+    opt.close()
+    own = {"ordering": "dynamic", "partition_bytes": 64, "credit_bytes": 128}
+    measured = [h["settings"] for h in stats["tuner"]["history"]]
+    both = {s["direct_start"] for s in measured if own.items() <= s.items() and s["cross_iteration"]}
+    assert both == {False, True}, measured
+    kept = stats["tuner"]["settings"]
+    assert set(kept) >= {"direct_start"} and kept["direct_start"] == stats["tuner"]["incumbent"]["direct_start"]
+    # the twin of the config's own (64-byte pieces, a 128-byte credit): a completion freed credit and started pieces
+    twin = [r for r in retired + [stats["scheduler"]] if r["direct_start"] and r["partition_bytes"] == 64]
+    assert twin and all(r["started_direct"]["on_done"] > 0 for r in twin), twin
+    assert not [r for r in retired if not r["direct_start"] and r["started_direct"]["on_done"]], retired
+
+
+def test_auto_keeps_the_configs_direct_start_where_completions_cannot_start_pieces(monkeypatch):
+    """Where the engine's completion may not start a collective (Horovod, CUDA streams), direct_start would only
+    move the order thread's starts: the tuner neither measures nor proposes the other value."""
+    from commsched.plugins.torch.backends import TorchBackend
+
+    monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=6,
+                                                                check_every=100))
+    monkeypatch.setattr(TorchBackend, "starts_in_done", property(lambda self: False))
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="auto", direct_start=True, timeout_s=30))
+    train(opt, model, 50)
+    stats = opt.stats()
+    opt.close()
+    measured = [h["settings"] for h in stats["tuner"]["history"]]
+    assert len(measured) >= 5 and all(s["direct_start"] for s in measured if s["ordering"] != "reducer"), measured
