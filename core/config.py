@@ -275,7 +275,9 @@ class SchedulerConfig:
             thread is issuing, the dispatch thread decides as before. Default False: it cuts the
             scheduler's own CPU per piece by 15-32 %, but measured ``dynamic`` 2-9 % slower a step
             on the contended 2-core bench (balanced, gpt2) while about 2 % faster on comm-heavy
-            (docs/tuning.md, "Starting the next piece where its credit frees").
+            (docs/tuning.md, "Starting the next piece where its credit frees"). Under
+            ``ordering="auto"`` this is the start point: where the engine allows it, the tuner
+            measures both values and keeps the faster.
 
     Every field left out is taken from ``COMMSCHED_<FIELD>`` if set, else the
     default. Invalid values raise ``ValueError`` naming the field, the value and

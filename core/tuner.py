@@ -27,7 +27,8 @@ as sqrt(4 / n) for more pooled periods of one setting; at least 0.5 % of the med
 The first samples are the start points (the cost model's recommendations when there are any,
 :func:`model_starts`: the planner's plan where it is predicted ahead of the runtime settings
 by more than the model's error, then the advised runtime setting), the config's own settings
-and plain ``fifo`` without partition or credit, cross-iteration and then on the synchronous
+(where the driver searches ``direct_start``, :attr:`SearchSpace.direct_starts`, also with it the other
+way) and plain ``fifo`` without partition or credit, cross-iteration and then on the synchronous
 path (``step()`` waits and applies once, as DDP: what wins where communication is hidden already
 and the cores are busy; the synchronous one only where the driver may switch paths); then a
 sampler proposes (Optuna's TPE: ask/tell over the
