@@ -825,8 +825,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
             ddp = tuple(Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, b, cross_iteration=False)
                         for b in REDUCER_BUCKETS)
         else:
-            ddp = (Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_SMALL_BUCKET_BYTES, cross_iteration=False),
-                   Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, DDP_BUCKET_BYTES, cross_iteration=False))
+            ddp = tuple(Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, b, cross_iteration=False,
+                                 direct_start=direct) for b in (DDP_SMALL_BUCKET_BYTES, DDP_BUCKET_BYTES))
         last = (plain_fifo, *ddp)
         found = model_starts(self.profile(), self._topology_or_default(), self._requested.fusion_bytes,
                              plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S, default=own)
