@@ -836,9 +836,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         if why_not is not None:
             self._auto_notes.append(f"torch's reducer is not among the starts: {why_not}")
             tuner_log.info("%s", self._auto_notes[-1])
-        starts = [dataclasses.replace(s, direct_start=direct) if s.ordering == PLANNED or
-                  s.cross_iteration in space.cross_iterations else
-                  dataclasses.replace(s, cross_iteration=cross, direct_start=direct) for s in found.starts] or [own]
+        starts = [dataclasses.replace(s, direct_start=direct, cross_iteration=s.cross_iteration if s.ordering == PLANNED
+                                      or s.cross_iteration in space.cross_iterations else cross)
+                  for s in found.starts] or [own]
         return Tuner(starts[0], extra_starts=(*starts[1:], own, *twin, *last), space=space, **TUNER_OPTIONS)
 
     def _with_plan(self, decision: Decision) -> Decision:
