@@ -179,7 +179,7 @@ def test_auto_measures_the_planners_plan_first_when_the_model_predicts_it_ahead(
 def test_auto_measures_its_own_settings_with_and_without_direct_start_where_gloo_may_start_pieces(monkeypatch):
     """On gloo's path a completion may start the next piece (``direct_start``), which is measured faster on
     comm-heavy and slower where compute fills the cores: the tuner measures the config's own settings both
-    ways, and a switch to either rebuilds the scheduler with it (its pieces then start on the engine's thread)."""
+    ways, and a switch to either rebuilds the scheduler with it (a completion on gloo's thread then starts pieces)."""
     monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=4,
                                                                 check_every=100))
     monkeypatch.setattr(optimizer_module, "REDUCER_BUCKETS", ())
@@ -197,10 +197,14 @@ def test_auto_measures_its_own_settings_with_and_without_direct_start_where_gloo
     assert both == {False, True}, measured
     kept = stats["tuner"]["settings"]
     assert set(kept) >= {"direct_start"} and kept["direct_start"] == stats["tuner"]["incumbent"]["direct_start"]
-    # the twin of the config's own (64-byte pieces, a 128-byte credit): a completion freed credit and started pieces
-    twin = [r for r in retired + [stats["scheduler"]] if r["direct_start"] and r["partition_bytes"] == 64]
-    assert twin and all(r["started_direct"]["on_done"] > 0 for r in twin), twin
-    assert not [r for r in retired if not r["direct_start"] and r["started_direct"]["on_done"]], retired
+    # each switch rebuilt the scheduler with the setting's direct_start: the config's own (64-byte pieces, a
+    # 128-byte credit) ran both ways, and only its direct twin ever started a piece on a completion. Whether
+    # one rank's gloo completes a piece on its own thread (which then starts the next) or inside the launch
+    # (which pokes the dispatch thread) is the machine's timing: a busy machine showed a twin with none
+    # (2026-12-07); tests/core/test_ordering.py counts the completion's starts on a scripted engine.
+    schedulers = retired + [stats["scheduler"]]
+    assert {r["direct_start"] for r in schedulers if r["partition_bytes"] == 64} == {False, True}, schedulers
+    assert not [r for r in schedulers if not r["direct_start"] and r["started_direct"]["on_done"]], schedulers
 
 
 def test_auto_keeps_the_configs_direct_start_where_completions_cannot_start_pieces(monkeypatch):
@@ -208,8 +212,9 @@ def test_auto_keeps_the_configs_direct_start_where_completions_cannot_start_piec
     move the order thread's starts: the tuner neither measures nor proposes the other value."""
     from commsched.plugins.torch.backends import TorchBackend
 
+    # min_gain < 0: the search never stops on a small predicted gain, so the sampler proposes after the 4 starts
     monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=6,
-                                                                check_every=100))
+                                                                min_gain=-1.0, check_every=100))
     monkeypatch.setattr(TorchBackend, "starts_in_done", property(lambda self: False))
     model = model_of()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
