@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import threading
 import time
 from concurrent.futures import Future
@@ -53,6 +54,13 @@ _POLL_S = 0.25  # how often a blocked wait looks for another rank's abort
 #: The largest piece :meth:`Scheduler.submit` launches on the submitting (training) thread; bigger
 #: ones go to the dispatch thread, which launches them beside backward.
 INLINE_MAX_BYTES = 1 << 20
+#: The CPU counts of ``stats()`` that would cost a clock read per piece (a piece's completion on the
+#: engine's thread, its ``on_piece``, a launch from the dispatch thread or a completion) are taken on one
+#: piece or batch in this many, drawn at random, and scaled up by it: ``time.thread_time()`` is a system
+#: call (0.7 us uncontended here, several under load), and two a piece were a tenth of the scheduler's
+#: own cost in ``commsched.bench.overhead``. Random, not every n-th, so a step's fixed order of pieces
+#: cannot alias with it. 1: every piece timed.
+CPU_SAMPLE_EVERY = 8
 
 
 class Scheduler(Closeable):
@@ -124,6 +132,10 @@ class Scheduler(Closeable):
         self._callback_cpu = 0.0
         self._started_direct = {"on_done": 0, "on_delivery": 0}
         self._counter_lock = threading.Lock()
+        # draws which completions and launches are timed (CPU_SAMPLE_EVERY); seeded: runs repeat
+        self._cpu_sampler = random.Random(0x5EED).random
+        self._cpu_every = CPU_SAMPLE_EVERY
+        self._cpu_share = 1.0 / CPU_SAMPLE_EVERY
         self._work_gen = 0  # bumped (lock held) whenever the dispatch thread may have new work
         self._published_batches = 0  # rank 0: batches of messages pushed to the followers (stats())
         self._threads: list[threading.Thread] = []
@@ -418,7 +430,9 @@ class Scheduler(Closeable):
 
     def _start(self, batch: list[Piece], timed: bool = False) -> None:
         """Hand ``batch`` to the engine (lock not held); a piece the engine refuses completes with its error.
-        ``timed`` (the dispatch thread): its CPU time counts as ``engine_cpu_s["launch"]``."""
+        ``timed`` (the dispatch thread): its CPU time counts as ``engine_cpu_s["launch"]`` (one batch in
+        :data:`CPU_SAMPLE_EVERY` is timed, scaled up)."""
+        timed = timed and self._cpu_sampler() < self._cpu_share
         t0 = time.thread_time() if timed else 0.0
         for piece in batch:
             done = functools.partial(self._on_piece_done, piece)
@@ -427,7 +441,7 @@ class Scheduler(Closeable):
             except BaseException as exc:
                 done(exc)
         if timed:
-            self._engine_cpu["launch"] += time.thread_time() - t0
+            self._engine_cpu["launch"] += (time.thread_time() - t0) * self._cpu_every
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -447,8 +461,11 @@ class Scheduler(Closeable):
     def _on_piece_done(self, piece: Piece, exc: Optional[BaseException]) -> None:
         if self._closed:  # a late completion: close() already failed the futures and joined our threads
             return
-        t0 = time.thread_time()
-        end = now_us()
+        # CPU_SAMPLE_EVERY: one completion in that many is timed (a clock read is a system call)
+        timed = self._cpu_sampler() < self._cpu_share
+        t0 = time.thread_time() if timed else 0.0
+        timeline = self.timeline if self.timeline.path is not None else None
+        end = now_us() if timeline is not None else 0.0
         remote = None
         plugin_s = 0.0
         if exc is None and piece.task.on_piece is not None and not piece.done:
@@ -456,7 +473,8 @@ class Scheduler(Closeable):
                 piece.task.on_piece(piece)
             except BaseException as raised:  # the plugin's use of the range failed: so did the piece
                 exc = raised
-            plugin_s = time.thread_time() - t0
+            if timed:
+                plugin_s = time.thread_time() - t0
         if exc is not None and self._channel is not None and self.world_size > 1:
             remote = self._channel.abort_message(grace_s=1.0)  # did another rank say why it stopped?
         with self._lock:
@@ -473,13 +491,14 @@ class Scheduler(Closeable):
                 waiting = False
         if waiting:
             self._start_freed("on_done")
-        self.timeline.piece(piece, end)
-        ours = threading.current_thread().name.startswith("commsched-")  # else the engine's thread (gloo's)
-        spent = 0.0 if ours else time.thread_time() - t0
-        if spent or plugin_s:
+        if timeline is not None:
+            timeline.piece(piece, end)
+        if timed:
+            ours = threading.current_thread().name.startswith("commsched-")  # else the engine's thread (gloo's)
+            spent = 0.0 if ours else time.thread_time() - t0
             with self._counter_lock:  # gloo runs completions on more than one thread
-                self._callback_cpu += spent
-                self._engine_cpu["on_piece"] += plugin_s
+                self._callback_cpu += spent * self._cpu_every
+                self._engine_cpu["on_piece"] += plugin_s * self._cpu_every
 
     def _start_freed(self, where: str) -> None:
         """On the engine's completion thread (``where="on_done"``) or the order thread (``"on_delivery"``)

@@ -28,43 +28,48 @@ class Counters:
         self.totals = {"pieces": 0, "bytes": 0, "tasks": 0, "max_in_flight_bytes": 0}
         self.per_step: dict[int, dict[str, Any]] = {}
         self.issue_times: dict[int, dict[str, list[float]]] = {}
+        # per kept step: (its per_step entry, its order, issued_at, ready_at, landed_at): one lookup a piece
+        self._rows: dict[int, tuple[dict[str, Any], list, list, list, list]] = {}
 
     def task(self) -> None:
         self.totals["tasks"] += 1
 
+    def _new_step(self, step: int) -> tuple[dict[str, Any], list, list, list, list]:
+        per_step = self.per_step[step] = {"pieces": 0, "bytes": 0, "order": []}
+        times = self.issue_times[step] = {"issued_at": [], "ready_at": [], "landed_at": []}
+        for kept in (self.per_step, self.issue_times, self._rows):
+            kept.pop(step - _STEPS_KEPT, None)
+        row = self._rows[step] = (per_step, per_step["order"], times["issued_at"], times["ready_at"],
+                                  times["landed_at"])
+        return row
+
     def issued(self, piece: Any, in_flight_bytes: int) -> None:
-        totals = self.totals
+        """Count ``piece`` as started (once per piece; the scheduler's hot path: no more than it needs)."""
+        totals, nbytes = self.totals, piece.nbytes
         totals["pieces"] += 1
-        totals["bytes"] += piece.nbytes
-        totals["max_in_flight_bytes"] = max(totals["max_in_flight_bytes"], in_flight_bytes)
+        totals["bytes"] += nbytes
+        if in_flight_bytes > totals["max_in_flight_bytes"]:
+            totals["max_in_flight_bytes"] = in_flight_bytes
         step = piece.task.step
-        per_step = self.per_step.get(step)
-        if per_step is None:
-            per_step = self.per_step[step] = {"pieces": 0, "bytes": 0, "order": []}
-            self.per_step.pop(step - _STEPS_KEPT, None)
-            self.issue_times[step] = {"issued_at": [], "ready_at": [], "landed_at": []}
-            self.issue_times.pop(step - _STEPS_KEPT, None)
+        row = self._rows.get(step) or self._new_step(step)
+        per_step, order, issued_at, ready_at, landed_at = row
         per_step["pieces"] += 1
-        per_step["bytes"] += piece.nbytes
-        per_step["order"].append(piece.name)
+        per_step["bytes"] += nbytes
+        order.append(piece.name)
         now = time.time()
-        times = self.issue_times[step]
-        piece.stat_slot = (step, len(times["issued_at"]))
-        times["issued_at"].append(now)
-        times["landed_at"].append(None)
+        piece.stat_slot = (landed_at, len(landed_at))
+        issued_at.append(now)
+        landed_at.append(None)
         # submitted_us and issued_us are on the timeline's monotonic clock: their difference
         # moves the submission onto the wall clock.
-        waited_us = getattr(piece, "issued_us", 0.0) - getattr(piece.task, "submitted_us", 0.0)
-        times["ready_at"].append(now - max(0.0, waited_us) / 1e6)
+        waited_us = piece.issued_us - piece.task.submitted_us
+        ready_at.append(now - waited_us / 1e6 if waited_us > 0.0 else now)
 
     def landed(self, piece: Any) -> None:
-        """Stamp ``landed_at`` of ``piece`` (if its step is still kept)."""
-        if piece.stat_slot is None:
-            return
-        step, index = piece.stat_slot
-        times = self.issue_times.get(step)
-        if times is not None:
-            times["landed_at"][index] = time.time()
+        """Stamp ``landed_at`` of ``piece`` (a step no longer kept keeps its list until no piece names it)."""
+        slot = piece.stat_slot
+        if slot is not None:
+            slot[0][slot[1]] = time.time()
 
     def snapshot(self) -> dict[str, Any]:
         """A copy: the totals, ``per_step`` and ``issue_times``."""

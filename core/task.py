@@ -89,8 +89,8 @@ class Piece:
     done: bool = False
     issued_us: float = 0.0
     algorithm: str = "ring"
-    #: (step, index in that step's start order) in the scheduler's counters' ``issue_times``
-    stat_slot: tuple[int, int] | None = None
+    #: (``landed_at`` of its step in the scheduler's counters' ``issue_times``, its index there)
+    stat_slot: tuple[list, int] | None = None
 
     @property
     def key(self) -> tuple[int, int, int, int]:

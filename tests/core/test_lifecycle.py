@@ -13,6 +13,7 @@ import time
 import pytest
 
 from commsched import CommschedError, CommschedTimeout, Scheduler, SchedulerClosed, SchedulerConfig
+from commsched import scheduler as scheduler_module
 from commsched.backends import ArrayOps, InProcessWorld
 from helpers import commsched_threads
 
@@ -286,10 +287,11 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def test_stats_split_the_threads_cpu_spent_in_the_engine_and_in_on_done():
+def test_stats_split_the_threads_cpu_spent_in_the_engine_and_in_on_done(monkeypatch):
     """engine_cpu_s: the dispatch thread's CPU inside backend.start() (a piece too big to launch on
     the submitting thread), the completion thread's inside on_done and the engine thread's inside on_piece,
-    each counted where it ran."""
+    each counted where it ran (every launch and completion timed here: CPU_SAMPLE_EVERY 1)."""
+    monkeypatch.setattr(scheduler_module, "CPU_SAMPLE_EVERY", 1)
     world = InProcessWorld(1)
     try:
         backend = world.backend(0)
@@ -312,6 +314,25 @@ def test_stats_split_the_threads_cpu_spent_in_the_engine_and_in_on_done():
         assert cpu["launch"] >= 0.005 and cpu["on_done"] >= 0.005 and cpu["on_piece"] >= 0.005, cpu
         # the completion ran on the in-process engine's link thread, not one of commsched's: counted whole
         assert stats["callback_cpu_s"] >= cpu["on_piece"]
+    finally:
+        world.close()
+
+
+def test_the_cpu_of_completions_is_sampled_and_scaled_to_an_estimate_of_the_whole():
+    """A clock read per piece is a system call (a tenth of the scheduler's own cost per piece): one completion
+    in CPU_SAMPLE_EVERY (8) is timed, at random, and scaled up. 400 pieces whose on_piece burns 0.4 ms each:
+    the estimate is near their 160 ms (about 50 timed: within half of it either way), never 0, never 8x."""
+    assert scheduler_module.CPU_SAMPLE_EVERY == 8
+    world = InProcessWorld(1)
+    try:
+        s = Scheduler(world.backend(0), ArrayOps(), SchedulerConfig(timeout_s=30, partition_bytes=8))
+        with s:
+            s.wait(s.submit("t", doubles(400), on_piece=lambda piece: _burn(0.0004)))
+            s.mark_step()
+            stats = s.stats()
+        assert stats["pieces"] == 400
+        assert 0.08 <= stats["engine_cpu_s"]["on_piece"] <= 0.24, stats["engine_cpu_s"]
+        assert stats["callback_cpu_s"] >= stats["engine_cpu_s"]["on_piece"] * 0.99
     finally:
         world.close()
 

@@ -525,11 +525,14 @@ def test_a_name_submitted_twice_in_a_step_before_it_started_is_rejected():
 
 
 @pytest.mark.parametrize("allowed", [True, False], ids=["start-on-done", "via-dispatch"])
-def test_a_completion_starts_what_its_credit_freed_on_the_engines_thread_where_the_engine_allows(allowed):
+def test_a_completion_starts_what_its_credit_freed_on_the_engines_thread_where_the_engine_allows(allowed,
+                                                                                               monkeypatch):
     # SchedulerConfig.direct_start: an engine whose completion thread may start collectives
     # (Backend.starts_in_done: gloo's callbacks) gets the next piece started right there, one wake-up of
     # the dispatch thread less per piece; the CPU of that completion is counted (callback_cpu_s), since
-    # the engine's thread is not one of commsched's. Off (or an engine without it): the dispatch thread.
+    # the engine's thread is not one of commsched's (every completion timed here: CPU_SAMPLE_EVERY 1). Off
+    # (or an engine without it): the dispatch thread.
+    monkeypatch.setattr(scheduler_module, "CPU_SAMPLE_EVERY", 1)
     backend, started, held, lock = holding_engine(starts_in_done=True)
     cfg = SchedulerConfig(partition_bytes=16, credit_bytes=32, timeout_s=10, direct_start=allowed)
     with Scheduler(backend, ArrayOps(), cfg) as sched:
