@@ -321,7 +321,8 @@ def test_stats_split_the_threads_cpu_spent_in_the_engine_and_in_on_done(monkeypa
 def test_the_cpu_of_completions_is_sampled_and_scaled_to_an_estimate_of_the_whole():
     """A clock read per piece is a system call (a tenth of the scheduler's own cost per piece): one completion
     in CPU_SAMPLE_EVERY (8) is timed, at random, and scaled up. 400 pieces whose on_piece burns 0.4 ms each:
-    the estimate is near their 160 ms (this seed times 37-43 of them: within half of it either way), never 0, never 8x."""
+    the estimate is near their 160 ms (this seed times 37-43 of them: within half of it either way), never 0,
+    never 8x."""
     assert scheduler_module.CPU_SAMPLE_EVERY == 8
     world = InProcessWorld(1)
     try:
