@@ -464,7 +464,7 @@ class Scheduler(Closeable):
         # CPU_SAMPLE_EVERY: one completion in that many is timed (a clock read is a system call)
         timed = self._cpu_sampler() < self._cpu_share
         t0 = time.thread_time() if timed else 0.0
-        timeline = self.timeline if self.timeline.path is not None else None
+        timeline = self.timeline if self.timeline.enabled else None  # no clock read for a timeline that is off
         end = now_us() if timeline is not None else 0.0
         remote = None
         plugin_s = 0.0
