@@ -344,7 +344,23 @@ def run_strategies(args: argparse.Namespace, *, framework: str, allowed: Sequenc
     report = assemble_report(framework, config, emulation, note, workload, baseline, results)
     write_json(report, args.json)
     print(markdown(report))
+    kept = _forget_finished_runs(raw)
+    if kept:
+        print(f"commsched bench: some phases failed; logs kept in {', '.join(str(d) for d in kept)}", file=sys.stderr)
     return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
+
+
+def _forget_finished_runs(raw: list[tuple[str, int, int, dict | None, str | None, dict, Path]]) -> list[Path]:
+    """Delete the directory of every phase that ended with a result (its logs are of no further use and
+    a run leaves one per strategy and round in the temporary directory); keep, and return, those of the
+    phases that failed, which the report and the progress lines name."""
+    kept = []
+    for _, _, _, result, error, _, out in raw:
+        if result and error is None and (result.get("skipped") or result.get("step_times_s")):
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            kept.append(out)
+    return kept
 
 
 def _read_json(path: Path) -> dict | None:
@@ -365,7 +381,7 @@ def _progress_line(strategy: str, result: dict | None, error: str | None, out: P
 def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict, out: Path,
                batch_size: int, baseline: dict | None) -> dict[str, Any]:
     if result and result.get("skipped"):
-        return result_entry(strategy, "skipped", reason=result["skipped"], logs=str(out))
+        return result_entry(strategy, "skipped", reason=result["skipped"])
     if error is not None or not result or not result.get("step_times_s"):
         return result_entry(strategy, "failed", reason=(error or f"worker 0 wrote no result ({out})")[-2000:],
                             logs=str(out))
@@ -373,5 +389,5 @@ def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict,
     return result_entry(
         strategy, "ok", **step_fields(result["step_times_s"], batch_size * result.get("world", 1), baseline),
         cpu_busy=busy, cpu_steal=cpu.get("cpu_steal"), cpu_warning=busy is not None and busy > BUSY_WARNING,
-        pieces_per_step=result.get("pieces_per_step"), stats=result.get("stats"), logs=str(out),
+        pieces_per_step=result.get("pieces_per_step"), stats=result.get("stats"),
     )

@@ -196,6 +196,32 @@ def test_mlp_rounds_interleave_and_pair_each_round(tmp_path, capsys):
     assert result["strategies"]["dynamic"]["vs_best_peer"] == pytest.approx(0.9 / 0.8)
 
 
+def test_mlp_bench_deletes_the_run_directories_of_finished_phases_and_keeps_the_failed_ones(tmp_path, capsys):
+    """Each phase runs in a fresh temporary directory: a phase that wrote its result (or skipped) leaves
+    nothing behind (the suite ran ~36 a CI run and left them all in /tmp); a failed one keeps its logs,
+    named in its report entry and on stderr."""
+    runs: dict[str, Path] = {}
+    times = {"compute": [0.3], "comm": [0.5], "dist_sync": [1.0]}
+    inner = _fake_launch(times)
+
+    def launch(cluster, strategy: str, out: Path) -> str | None:
+        runs[strategy] = out
+        (out / "worker0.log").write_text("log of " + strategy)
+        return inner(cluster, strategy, out)
+
+    args = _mlp_args(tmp_path, "compute,comm,dist_sync,horovod,dynamic")
+    code = run_strategies(args, framework="mxnet", allowed=("compute", "comm", "dist_sync", "horovod", "dynamic"),
+                          nodes=2, launch=launch, workload=MLP, extra={})
+    assert code == 1  # dynamic failed
+    assert {s: d.exists() for s, d in runs.items()} == {"compute": False, "comm": False, "dist_sync": False,
+                                                         "horovod": False, "dynamic": True}
+    assert (runs["dynamic"] / "worker0.log").read_text() == "log of dynamic"
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "report.json").read_text())["results"]}
+    assert rows["dynamic"]["logs"] == str(runs["dynamic"])
+    assert rows["dist_sync"]["logs"] is None and rows["horovod"]["logs"] is None
+    assert f"logs kept in {runs['dynamic']}" in capsys.readouterr().err
+
+
 def test_mlp_bench_refuses_fewer_than_one_round(tmp_path, capsys):
     args = _mlp_args(tmp_path, "dist_sync")
     args.rounds = 0
