@@ -9,7 +9,8 @@ import pytest
 
 from commsched.bench.report import BASELINE_KEYS, REPORT_KEYS, RESULT_KEYS
 from commsched.cli import main
-from commsched.costmodel.cli import _grid, advise, compute_beside_allreduce_s, kendall_tau
+from commsched.costmodel.cli import (ADVISE_CREDIT_MB, ADVISE_PARTITION_MB, _grid, advise, advise_grid,
+                                     compute_beside_allreduce_s, kendall_tau)
 from commsched.costmodel.profile import LayerProfile, Profile, TensorSpec
 from commsched.costmodel.topology import Topology
 
@@ -146,6 +147,27 @@ def test_advise_departs_from_the_default_only_for_a_gain_beyond_the_models_error
     # no default given: SchedulerConfig()'s, and the planner's margin
     plain = advise(prof, topo)
     assert plain["margin"] == 0.05 and plain["default"]["settings"]["partition_bytes"] == 4 * MB
+
+
+def test_advise_weighs_pieces_as_large_as_the_model_needs(tmp_path):
+    """A 7B decoder over 4 x 8 ranks: every piece pays the ring's 2(n - 1) latencies, so 1-16 MiB pieces
+    simulate no better than DDP (the small grid's best was 0.98x); the grid of a model over 1 GiB of
+    gradients is the planner's (16-256 MiB pieces), and there scheduling helps. A small model keeps
+    the small grid."""
+    from commsched.costmodel.planner import PlanSearch
+    from commsched.costmodel.zoo import zoo_profile
+
+    prof = zoo_profile("gpt-7b")
+    topo = Topology.described("4x8", "900GB/s", "100gbit")
+    search = PlanSearch.for_profile(prof)
+    assert advise_grid(prof) == (tuple(p / MB for p in search.partitions), tuple(c / MB for c in search.credits))
+    assert min(advise_grid(prof)[0]) >= 16
+    out = advise(prof, topo)
+    assert out["helps"] is True and out["expected_speedup_vs_ddp"] > 1.05
+    assert out["settings"]["ordering"] == "dynamic" and out["settings"]["partition_bytes"] >= 16 * MB
+    small = advise(prof, topo, partition_mb=ADVISE_PARTITION_MB, credit_mb=ADVISE_CREDIT_MB)
+    assert small["expected_speedup_vs_ddp"] < out["expected_speedup_vs_ddp"] / 1.05
+    assert advise_grid(Profile.from_json(_profile(tmp_path))) == (ADVISE_PARTITION_MB, ADVISE_CREDIT_MB)
 
 
 def _small_tensors(submit_s: float) -> Profile:
