@@ -86,6 +86,21 @@ def test_simulate_a_zoo_model_on_a_described_cluster(tmp_path):
     assert report["config"]["workers"] == 128 and report["workload"]["description"] == "zoo:gpt-7b@h100"
     comm = report["baseline"]["comm_s"]
     assert all(r["step_time_s"] >= comm for r in report["results"])  # no schedule beats the all-reduce
+    assert not any("latency steps" in w for w in report["warnings"])  # 16 MiB: the smallest advise weighs here
+
+
+def test_simulate_warns_where_pieces_are_too_small_for_the_models_gradients(tmp_path, capsys):
+    """Over 1 GiB of gradients, a piece size below the grid advise weighs for them gets a warning per
+    dynamic/static row: its step says more about per-piece latency than about scheduling."""
+    out = tmp_path / "z.json"
+    assert main(["simulate", "--model", "gpt-7b", "--cluster", "2x2", "--intra", "900GB/s", "--inter", "100gbit",
+                 "--strategies", "ddp,dynamic,static", "--partition-mb", "4", "--credit-mb", "16",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    small = [w for w in report["warnings"] if "latency steps" in w]
+    assert [w.split(":")[0] for w in small] == ["dynamic", "static"]
+    assert "of 4 MiB on 4 ranks" in small[0] and "commsched advise` weighs 16-256 MiB pieces" in small[0]
+    assert "latency steps" in capsys.readouterr().out  # the table's warnings
 
 
 @pytest.mark.parametrize("argv,needle", [
