@@ -356,11 +356,18 @@ def _forget_finished_runs(raw: list[tuple[str, int, int, dict | None, str | None
     phases that failed, which the report and the progress lines name."""
     kept = []
     for _, _, _, result, error, _, out in raw:
-        if result and error is None and (result.get("skipped") or result.get("step_times_s")):
-            shutil.rmtree(out, ignore_errors=True)
-        else:
+        if _failed(result, error):
             kept.append(out)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
     return kept
+
+
+def _failed(result: dict | None, error: str | None) -> bool:
+    """Whether a phase failed: it did not skip, and it reported an error or wrote no step times."""
+    if result and result.get("skipped"):
+        return False
+    return error is not None or not result or not result.get("step_times_s")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -373,7 +380,7 @@ def _read_json(path: Path) -> dict | None:
 def _progress_line(strategy: str, result: dict | None, error: str | None, out: Path) -> str:
     if result and result.get("skipped"):
         return f"{strategy:>18}: skipped ({result['skipped']})"
-    if result and result.get("step_times_s") and error is None:
+    if not _failed(result, error):
         return f"{strategy:>18}: {median(result['step_times_s']) * 1000:8.1f} ms/step (median)"
     return f"{strategy:>18}: failed ({(error or 'worker 0 wrote no result').splitlines()[0]}); logs in {out}"
 
@@ -382,7 +389,7 @@ def _mlp_entry(strategy: str, result: dict | None, error: str | None, cpu: dict,
                batch_size: int, baseline: dict | None) -> dict[str, Any]:
     if result and result.get("skipped"):
         return result_entry(strategy, "skipped", reason=result["skipped"])
-    if error is not None or not result or not result.get("step_times_s"):
+    if _failed(result, error):
         return result_entry(strategy, "failed", reason=(error or f"worker 0 wrote no result ({out})")[-2000:],
                             logs=str(out))
     busy = cpu["cpu_busy"]

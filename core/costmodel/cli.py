@@ -26,7 +26,7 @@ from commsched.bench.runner import check_max_steal
 from commsched.config import SchedulerConfig
 from commsched.costmodel.bounds import bound_by_bytes
 from commsched.costmodel.collectives import allreduce_s, best_algorithm
-from commsched.costmodel.planner import PlanSearch
+from commsched.costmodel.planner import LARGE_GRAD_BYTES, PlanSearch
 from commsched.costmodel.profile import Profile
 from commsched.costmodel.simulator import SimResult, SimSettings, parse_sim_strategy, simulate
 from commsched.costmodel.topology import Topology
@@ -202,19 +202,15 @@ def _small_piece_warnings(profile: Profile, topology: Topology, results: list[Si
     weighs for them, one line per ``dynamic`` / ``static`` strategy that cut its pieces at it: each piece
     pays the ring's latency steps, so such a row says more about the piece size than about scheduling
     (a 70B decoder on 16 x 8 ranks at the default 1 MiB: 131,721 pieces, 14x DDP's step)."""
-    smallest = min(advise_grid(profile)[0]) * MB
-    if settings.partition_bytes >= smallest or topology.world_size < 2:
+    sizes = advise_grid(profile)[0]
+    if settings.partition_bytes >= min(sizes) * MB or topology.world_size < 2:
         return []
-    out = []
-    for r in results:
-        base = r.strategy.split("+")[0]
-        if base in ("dynamic", "static"):  # ``dynamic:4MiB/16MiB`` and the like carry their own sizes
-            out.append(f"{r.strategy}: {r.pieces_per_step:,.0f} pieces a step of {settings.partition_bytes / MB:g} "
-                       f"MiB on {topology.world_size} ranks, each paying the all-reduce's latency steps; for "
-                       f"{profile.grad_bytes / (1 << 30):.0f} GiB of gradients `commsched advise` weighs "
-                       f"{min(advise_grid(profile)[0]):g}-{max(advise_grid(profile)[0]):g} MiB pieces "
-                       "(--partition-mb, --credit-mb)")
-    return out
+    return [f"{r.strategy}: {r.pieces_per_step:,.0f} pieces a step of {settings.partition_bytes / MB:g} MiB on "
+            f"{topology.world_size} ranks, each paying the all-reduce's latency steps; for "
+            f"{profile.grad_bytes / (1 << 30):.0f} GiB of gradients `commsched advise` weighs "
+            f"{min(sizes):g}-{max(sizes):g} MiB pieces (--partition-mb, --credit-mb)"
+            # ``dynamic:4MiB/16MiB`` and the like carry their own sizes
+            for r in results if r.strategy.split("+")[0] in ("dynamic", "static")]
 
 
 def _write_timelines(results: list[SimResult], directory: str | None) -> dict[str, str]:
@@ -636,7 +632,7 @@ def advise_grid(profile: Profile) -> tuple[tuple[float, ...], tuple[float, ...]]
     2.63 s a step, was 0.98x DDP, where 128 MiB pieces under 512 MiB of credit simulate 2.31 s (1.12x):
     every piece pays the ring's 2(n - 1) latencies. It was also slow: each of its candidates simulated
     ~130,000 pieces a step of a 70B decoder (3.5 min in all)."""
-    if profile.grad_bytes > (1 << 30):
+    if profile.grad_bytes > LARGE_GRAD_BYTES:
         search = PlanSearch.for_profile(profile)
         return tuple(p / MB for p in search.partitions), tuple(c / MB for c in search.credits)
     return ADVISE_PARTITION_MB, ADVISE_CREDIT_MB

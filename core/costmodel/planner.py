@@ -71,8 +71,8 @@ from commsched.costmodel.topology import Topology
 from commsched.plan import ALGORITHMS, ORDERS, Plan, PlanGroup, PlannedPiece, fused_name
 from commsched.partition import piece_bounds
 
-__all__ = ["ALGORITHM_RULES", "PlanResult", "PlanSearch", "greedy_plan", "make_groups", "make_plan", "solve_order",
-           "with_order"]
+__all__ = ["ALGORITHM_RULES", "LARGE_GRAD_BYTES", "PlanResult", "PlanSearch", "greedy_plan", "make_groups", "make_plan",
+           "solve_order", "with_order"]
 
 KIB, MIB = 1 << 10, 1 << 20
 #: The greedy grid's point that is the runtime's default (``dynamic``'s settings, as a plan): the
@@ -81,6 +81,9 @@ KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_KNOBS = {"fusion_bytes": 256 * KIB, "partition_bytes": 1 * MIB, "algorithm": "ring", "credit_bytes": 4 * MIB}
 #: How the algorithm of each piece is chosen in the greedy stage.
 ALGORITHM_RULES = ("ring", "hierarchical", "best")
+#: Gradients above this many bytes get the grid of large pieces (:meth:`PlanSearch.for_profile`; also
+#: ``commsched advise``'s candidates): thousands of 1 MiB pieces would only add latency and simulation time.
+LARGE_GRAD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class PlanSearch:
     def for_profile(cls, profile: Profile, **overrides: Any) -> "PlanSearch":
         """The default grid, moved up for models whose gradients exceed 1 GiB (thousands of
         1 MiB pieces would only add latency and simulation time there)."""
-        if profile.grad_bytes > (1 << 30):
+        if profile.grad_bytes > LARGE_GRAD_BYTES:
             base = dict(partitions=(16 * MIB, 64 * MIB, 256 * MIB), credits=(64 * MIB, 256 * MIB, 1024 * MIB),
                         fusions=(0, 16 * MIB), size_rounds=1, size_groups=4)
             return cls(**{**base, **overrides})
