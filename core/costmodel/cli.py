@@ -14,6 +14,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -62,6 +63,20 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--inter", default="100gbit", help="described: one node's link to the network")
     net.add_argument("--rails", type=int, default=1, help="described: NICs per node (rail-aligned rings)")
     net.add_argument("--topology", default=None, help="a topology JSON (commsched probe)")
+
+
+def source_flags(args: argparse.Namespace) -> list[str]:
+    """The model and network flags of ``args`` (those of :func:`add_source_arguments`) that differ from their
+    defaults, as a command line names them: what another command (``commsched plan``) needs to read the
+    same model on the same network."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_source_arguments(parser)
+    flags: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of a parser's arguments
+        value = getattr(args, action.dest, action.default)
+        if action.option_strings and value is not None and value != action.default:
+            flags += [action.option_strings[0], shlex.quote(str(value))]
+    return flags
 
 
 def load_topology(args: argparse.Namespace) -> Topology:
@@ -638,6 +653,37 @@ def advise_grid(profile: Profile) -> tuple[tuple[float, ...], tuple[float, ...]]
     return ADVISE_PARTITION_MB, ADVISE_CREDIT_MB
 
 
+def two_level_plan(profile: Profile, topology: Topology) -> dict[str, Any] | None:
+    """The planner's greedy plan on a two-level topology (nodes x ranks per node, both > 1): earliest due
+    date, each piece with the faster of the flat ring and the two-level algorithm (``rule="best"``), over
+    the planner's piece sizes x credits for this model (:meth:`PlanSearch.for_profile`, no fusion); of the
+    candidates within ``PlanSearch.tie_tolerance`` of the fastest, the one with the fewest pieces (the
+    planner's rule). What only a plan runs at runtime: the two-level algorithm needs the plan's
+    subgroups. None on one node or one rank per node (the algorithm is the flat ring's there). The
+    planner itself (``commsched plan``) searches further (the other algorithm rules, fusion, per-tensor sizes,
+    the MILP's order): its plan is predicted no slower than this one, up to its own tie tolerance."""
+    from commsched.costmodel.planner import _deep_enough, greedy_plan, make_groups
+
+    if topology.nodes <= 1 or topology.ranks_per_node <= 1:
+        return None
+    search = PlanSearch.for_profile(profile)
+    found = []
+    for partition in search.partitions:
+        groups = make_groups(profile, 0, partition)
+        credits = [c for c in search.credits if _deep_enough(profile, topology, groups, c, search)]
+        for credit in credits or [max(search.credits)]:
+            plan, result = greedy_plan(profile, topology, groups, credit, "best", search.simulated_steps)
+            found.append((result, partition, credit, plan))
+    fastest = min(r.step_time_s for r, *_ in found)
+    result, partition, credit, plan = min(
+        (f for f in found if f[0].step_time_s <= fastest * (1 + search.tie_tolerance)),
+        key=lambda f: (f[0].pieces_per_step, -f[2], f[0].step_time_s))
+    two_level = sum(p.algorithm != "ring" for p in plan.pieces)
+    return {"step_s": result.step_time_s, "partition_bytes": partition, "credit_bytes": credit,
+            "pieces_per_step": result.pieces_per_step, "two_level_pieces": two_level, "pieces": len(plan.pieces),
+            "exposed_comm_s": result.exposed_comm_s}
+
+
 def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, ...] | None = None,
            credit_mb: tuple[float, ...] | None = None, fusion_bytes: int | None = None,
            default: dict[str, Any] | None = None, margin: float | None = None,
@@ -728,8 +774,30 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
                        f"comm)): the next forward needs every layer up to {layer} reduced before it reaches {layer}, "
                        f"and none of their gradients is ready before {layer}'s (docs/bench.md, The dependency bound)")
     if algo != "ring" and algo_s < comm * 0.95:
-        reasons.append(f"the {algo} algorithm would cut the all-reduce from {comm:.3g} s to {algo_s:.3g} s "
-                       "(the topology planner chooses it per piece)")
+        reasons.append(f"the {algo} algorithm would cut the all-reduce of the whole gradient from {comm:.3g} s to "
+                       f"{algo_s:.3g} s (the topology planner chooses it per piece)")
+    try:
+        planned = two_level_plan(profile, topology)  # None on a flat network
+    except ImportError as exc:  # the planner's module missing: the runtime settings' advice stands alone
+        planned = None
+        reasons.append(f"no two-level plan weighed ({exc})")
+    if planned is not None:
+        ahead = 1 - planned["step_s"] / best.step_time_s if best.step_time_s > 0 else 0.0
+        planned.update(speedup_vs_ddp=ddp.step_time_s / planned["step_s"], ahead_of_settings=ahead,
+                       recommended=ahead > margin)
+        what = (f"the topology planner's earliest-due-date plan ({_size_mb(planned['partition_bytes'])} pieces, "
+                f"{planned['two_level_pieces']} of its {planned['pieces']} on the two-level algorithm, credit "
+                f"{_size_mb(planned['credit_bytes'])}) simulates {planned['step_s']:.4g} s "
+                f"({planned['speedup_vs_ddp']:.2f}x {ddp.strategy}")
+        if planned["recommended"]:
+            reasons.append(f"{what}, {ahead:.0%} ahead of the settings above; only a plan runs the two-level "
+                           "algorithm): make it with `commsched plan` (same model and network flags, --json "
+                           "plan.json; it searches further) and train with SchedulerConfig(ordering=\"planned\", "
+                           "plan=\"plan.json\")")
+        else:
+            reasons.append(f"{what}): " + (f"{-ahead:.0%} behind the settings above" if ahead < 0 else
+                                            f"not more than the model's error ({margin:.0%}) ahead of the settings "
+                                            "above"))
     if kept and best_candidate["settings"] != settings:
         reasons.append(f"the model's best, {_describe(best_candidate['settings'], fusion)} "
                        f"({best_candidate['step_s']:.4g} s), is {gain:.1%} ahead of the default "
@@ -739,8 +807,9 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
                        f"({best.step_time_s:.4g} s against {ddp.strategy}'s {ddp.step_time_s:.4g} s): a few large "
                        "collectives and one wait in step(), nothing to schedule; SchedulerConfig(ordering=\"auto\") "
                        "measures it among its start points")
-    helps = speedup >= 1.03
-    return {"helps": helps, "expected_speedup_vs_ddp": speedup, "best_ddp": ddp.strategy,
+    helps = speedup >= 1.03 or (planned is not None and planned["recommended"]
+                                and planned["speedup_vs_ddp"] >= 1.03)
+    return {"helps": helps, "expected_speedup_vs_ddp": speedup, "best_ddp": ddp.strategy, "planned": planned,
             "best_ddp_step_s": ddp.step_time_s, "commsched_step_s": best.step_time_s, "settings": settings,
             "lower_bound_s": bound, "efficiency": bound / best.step_time_s, "reasons": reasons,
             "dependency_bound_s": dep_s,
@@ -775,6 +844,10 @@ def _default_candidate(profile: Profile, topology: Topology, default: dict[str, 
     return found if found is not None else (simulate(profile, topology, kind, s), chosen, s)
 
 
+def _size_mb(nbytes: int) -> str:
+    return f"{nbytes / MB:g} MiB"
+
+
 def _sync_candidate(fusion_bytes: int) -> tuple[dict[str, Any], SimSettings]:
     """DDP's shape with ``fusion_bytes`` of fusion, as an advice's settings and the simulator's (strategy ``sync``)."""
     return ({"ordering": "fifo", "cross_iteration": False, "fusion_bytes": fusion_bytes},
@@ -804,10 +877,19 @@ def run_advise(args: argparse.Namespace) -> int:
         return 2
     out = advise(profile, topology)
     verdict = "will help" if out["helps"] else "will not help"
-    print(f"scheduling {verdict} here: expected speedup over the best DDP ({out['best_ddp']}) "
-          f"{out['expected_speedup_vs_ddp']:.2f}x ({out['best_ddp_step_s']:.4g} s -> {out['commsched_step_s']:.4g} s "
-          f"per step; bound {out['lower_bound_s']:.4g} s)")
-    print(f"recommended settings: {out['settings']}")
+    runtime = (f"{out['expected_speedup_vs_ddp']:.2f}x ({out['best_ddp_step_s']:.4g} s -> "
+               f"{out['commsched_step_s']:.4g} s per step; bound {out['lower_bound_s']:.4g} s)")
+    planned = out.get("planned") or {}
+    if planned.get("recommended"):
+        out["plan_command"] = " ".join(["commsched", "plan", *source_flags(args), "--json", "plan.json"])
+        print(f"scheduling {verdict} here: expected speedup over the best DDP ({out['best_ddp']}) "
+              f"{planned['speedup_vs_ddp']:.2f}x with the topology planner's plan ({out['best_ddp_step_s']:.4g} s -> "
+              f"{planned['step_s']:.4g} s per step); {runtime} with runtime settings alone")
+        print(f"recommended: {out['plan_command']}, then SchedulerConfig(ordering=\"planned\", plan=\"plan.json\"); "
+              f"without a plan: {out['settings']}")
+    else:
+        print(f"scheduling {verdict} here: expected speedup over the best DDP ({out['best_ddp']}) {runtime}")
+        print(f"recommended settings: {out['settings']}")
     for reason in out["reasons"]:
         print(f"- {reason}")
     if args.json:

@@ -185,6 +185,43 @@ def test_advise_weighs_pieces_as_large_as_the_model_needs(tmp_path):
     assert advise_grid(Profile.from_json(_profile(tmp_path))) == (ADVISE_PARTITION_MB, ADVISE_CREDIT_MB)
 
 
+def test_advise_names_the_planners_two_level_plan_where_only_a_plan_runs_the_faster_algorithm(tmp_path, capsys):
+    """2 nodes x 4 ranks, a 1 Gbit/s link per node: the flat ring pushes 1.75x the gradient through each
+    node's link, the two-level algorithm 1x, and only a plan runs it (its subgroups). Every runtime setting
+    stays a flat ring, so the advice names the planner's plan with its own prediction, and the command
+    that makes it; one node (or a two-level network whose algorithm gains nothing) has no such plan."""
+    from commsched.costmodel.cli import two_level_plan
+    from commsched.costmodel.planner import PlanSearch, make_plan
+
+    prof = Profile.from_json(_profile(tmp_path))
+    topo = Topology.described("2x4", "100gbit", "1gbit")
+    out = advise(prof, topo)
+    planned = out["planned"]
+    assert planned["recommended"] is True and out["helps"] is True
+    assert planned["step_s"] < out["commsched_step_s"] * (1 - out["margin"])
+    assert planned["speedup_vs_ddp"] == pytest.approx(out["best_ddp_step_s"] / planned["step_s"])
+    assert planned["two_level_pieces"] > 0 and planned["pieces"] >= planned["two_level_pieces"]
+    assert any("only a plan runs the two-level" in r and "ordering=\"planned\"" in r for r in out["reasons"])
+    # the runtime settings stay what runs without a plan file (the tuner's start reads them)
+    assert out["settings"]["ordering"] in ("fifo", "dynamic")
+    # the planner, searching further, predicts no slower than the advice's plan (up to its tie tolerance)
+    made = make_plan(prof, topo, time_limit_s=1.0)
+    assert made.step_time_s <= planned["step_s"] * (1 + PlanSearch.tie_tolerance) + 1e-9
+    # the command line: the same model and network flags, and `commsched plan` reads them
+    path = tmp_path / "advice.json"
+    assert main(["advise", "--profile", _profile(tmp_path), "--cluster", "2x4", "--intra", "100gbit", "--inter",
+                 "1gbit", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    command = json.loads(path.read_text())["plan_command"]
+    assert command == f"commsched plan --profile {_profile(tmp_path)} --cluster 2x4 --intra 100gbit --inter 1gbit " \
+                      "--json plan.json"
+    assert "with the topology planner's plan" in printed and command in printed
+    # one node: the algorithm is the flat ring's, no plan to name
+    flat = advise(prof, Topology.described("1x8", "100gbit", "1gbit"))
+    assert flat["planned"] is None and two_level_plan(prof, Topology.described("1x8", "100gbit", "1gbit")) is None
+    assert not any("earliest-due-date plan" in r for r in flat["reasons"])
+
+
 def _small_tensors(submit_s: float) -> Profile:
     """40 layers of 256 KiB gradients, each submitted task costing the training thread ``submit_s``."""
     layers = tuple(LayerProfile(f"l{i}", 0.002, 0.004, (TensorSpec(f"l{i}.w", (256 << 10) // 4),), apply_s=0.0001)
