@@ -204,6 +204,7 @@ def test_sigint_mid_run_kills_workers_and_removes_the_network(tmp_path):
          "--workers", "2", "--steps", "100000", "--strategies", "ddp",
          "--json", str(tmp_path / "r.json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),  # the interrupted run keeps its logs: under tmp_path, not /tmp
     )
     prefix = f"cs{proc.pid}_"
     try:
@@ -222,7 +223,7 @@ def test_sigint_mid_run_kills_workers_and_removes_the_network(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert "interrupted" in err
+    assert "interrupted" in err and f"logs in {tmp_path}/commsched-bench-" in err
     assert [ns for ns in netns.list_namespaces() if ns.startswith(prefix)] == []
     for pid in workers:
         assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -34,6 +35,14 @@ from commsched.bench.report import (
     markdown,
 )
 from commsched.bench.runner import PhaseResult
+
+@pytest.fixture(autouse=True)
+def _run_dirs_under_tmp_path(tmp_path, monkeypatch):
+    """The phases these tests fail on purpose keep their run directories for their logs, by design: under
+    pytest's ``tmp_path`` (which pytest prunes), not in /tmp, where every CI run left a dozen."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
 
 #: What the plugins' ``workloads.describe()`` gives (importing a plugin package imports its framework).
 MLP = {"name": "mlp", "description": "MLP 256-2x64-10, float32", "param_bytes": 4 * 21578, "num_params": 21578,
