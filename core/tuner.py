@@ -61,7 +61,15 @@ scored once 6 % behind and was never measured again; docs/tuning.md). With ``rac
 plugin's default), a race whose two lowest medians differ by no more than their noise (the larger
 :func:`spread` of the two settings' race periods) runs another block of those two only, in the
 race's order, as long as the samples the search left unused allow, and is decided on all their
-periods. So at most ``max_samples`` (20) samples in all. Over 300 seeded runs of 9 settings within
+periods. So at most ``max_samples`` (20) samples in all. A *favoured* setting (``favoured``: the cost
+model's pick where it cannot price what separates the candidates; the PyTorch plugin's is torch's reducer
+where the planner names DDP's engine, :func:`model_starts`) races whatever its search samples scored, in
+place of the last runner-up, and is kept unless another setting's race median beats its own by more than
+their noise (an extension then runs between the leader and it): compute-heavy, 2026-12-07, the reducer's
+one search sample fell in a slow moment and it never raced, and ``auto`` kept a setting 12 % slower than
+``ddp:1``. In the study below (4 starts, one 3 % ahead, the machine wandering 6 %), favouring the best
+start cut the kept setting's mean excess from 0.71 % to 0.18 % and favouring another start raised it to
+0.95 % (docs/tuning.md). Over 300 seeded runs of 9 settings within
 12 % of each other under a wandering machine speed (``scripts/tuner_study.py``), 2 race samples
 each cut the kept setting's mean excess over the best from 2.25 % to 1.63 % and the kept score's
 bias from -1.96 % to -0.55 %, for 3.6 more samples; extending unresolved races cut the excess
@@ -295,10 +303,14 @@ class ModelStarts:
     starts: list[Settings]  # best predicted first
     plans: dict[str, dict]  # digest -> ``Plan.to_dict()`` of each planned start
     notes: list[str]  # one line per recommendation (or why there is none), for the log
+    #: where the planner names DDP's engine (communication hidden in the model: ``reducer_buckets``), torch's
+    #: reducer with its bucket, for :attr:`Tuner.favoured`; None otherwise
+    favoured: Optional[Settings] = None
 
 
 def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gain: float | None = None,
-                 plan_time_limit_s: float = 10.0, default: Settings | None = None) -> ModelStarts:
+                 plan_time_limit_s: float = 10.0, default: Settings | None = None,
+                 reducer_buckets: tuple[int, ...] = ()) -> ModelStarts:
     """The cost model's start points for the tuner, best predicted first: the advised runtime
     setting (``commsched.costmodel.cli.advise``: ``fifo``, ``dynamic`` with its best piece size
     x credit, or DDP's shape, fifo on the synchronous path with a 1, 4 or 25 MiB fusion threshold;
@@ -308,7 +320,12 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
     ``PlanSearch.min_gain``: the model's measured error). What only a plan chooses: the two-level
     algorithm per piece, per-tensor sizes, fused groups; on one flat link EDD is already optimal
     and the plan rarely passes. A part that fails (no planner installed, a profile the model
-    cannot read) is left out with a note: the model is a head start, never a requirement."""
+    cannot read) is left out with a note: the model is a head start, never a requirement.
+
+    ``reducer_buckets`` (the driver's where torch's reducer can run; its starts' bucket sizes): the planner
+    also weighs DDP's own engine at those sizes (``PlanSearch.reducer_buckets``), and where its plan names
+    it (communication hidden in the model, nothing a schedule gains past the margin), no plan is measured
+    and ``favoured`` is torch's reducer with that bucket: the tuner's :attr:`Tuner.favoured`."""
     starts: list[Settings] = []
     plans: dict[str, dict] = {}
     notes: list[str] = []
@@ -333,12 +350,18 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
     try:
         from commsched.costmodel.planner import PlanSearch, make_plan
 
-        # never a plan that names DDP's engine: the tuner measures torch's reducer among its own starts
-        result = make_plan(profile, topology, PlanSearch.for_profile(profile, reducer_buckets=()),
+        # a plan that names DDP's engine is not measured as a plan: the tuner measures torch's reducer among
+        # its own starts, and favours it
+        result = make_plan(profile, topology, PlanSearch.for_profile(profile, reducer_buckets=tuple(reducer_buckets)),
                            time_limit_s=plan_time_limit_s)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         notes.append(f"no plan to try ({exc!r})")
         return ModelStarts(starts, plans, notes)
+    if result.plan.engine == "reducer":
+        favoured = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, result.plan.bucket_bytes, cross_iteration=False)
+        notes.append(f"planner: communication hidden in the model, its plan names DDP's engine: {favoured.describe()} "
+                     f"(predicted {result.step_time_s * 1e3:.2f} ms) is the model's pick, favoured in the final race")
+        return ModelStarts(starts, plans, notes, favoured)
     against = advised_s if advised_s is not None else float(result.plan.predicted.get("dynamic_step_s", math.inf))
     gain = 1 - result.step_time_s / against if against > 0 else 0.0
     if plan_min_gain is None:
@@ -470,7 +493,8 @@ class Tuner:
                  extra_starts: tuple[Settings, ...] = (), sample_steps: int = 4, settle: int = 1,
                  max_samples: int = 20, min_gain: float = 0.02, patience: int = 4, drift: float = 0.05,
                  check_every: int = 50, seed: int = 0, remeasure_samples: int = 3, race_samples: int = 0,
-                 race_margin: float = 0.05, race_extend: bool = False, race_width: int = 2) -> None:
+                 race_margin: float = 0.05, race_extend: bool = False, race_width: int = 2,
+                 favoured: Settings | None = None) -> None:
         if (sample_steps < 2 or settle < 0 or max_samples < 1 or patience < 1 or check_every < sample_steps
                 or remeasure_samples < 1):
             raise ValueError("Tuner: sample_steps >= 2, settle >= 0, max_samples >= 1, patience >= 1, "
@@ -508,6 +532,11 @@ class Tuner:
         self.race_width = race_width
         #: the samples the search may take; the race has the rest of ``max_samples``
         self.search_samples = max_samples - race_width * race_samples
+        #: the setting the cost model holds best where it cannot price what separates the candidates (torch's
+        #: reducer where communication is hidden in the model): a runner-up of the final race whatever its
+        #: search samples scored, and kept there unless another setting's race median beats its own by more
+        #: than their noise (module docstring); None: every setting alike
+        self.favoured = favoured
         self.phase = "tuning"
         self.incumbent: Optional[Settings] = None
         self.incumbent_score = float("inf")
@@ -669,6 +698,10 @@ class Tuner:
         others = {s: location(p) for s, p in self._by_setting.items() if s != inc and p}
         limit = self.incumbent_score * (1 + self.race_margin)
         runners = [s for s in sorted(others, key=others.get) if others[s] <= limit][: self.race_width - 1]
+        fav = self.favoured
+        if fav is not None and fav != inc and fav in others and fav not in runners:
+            # the model's pick races whatever its search samples scored (one slow moment must not lose it)
+            runners = [fav, *runners][: self.race_width - 1]
         if not runners:
             queue = [inc] * self.race_samples
             what = (f"{why}; no other setting within {self.race_margin:.0%} of {inc.describe()} "
@@ -676,7 +709,8 @@ class Tuner:
         else:
             base = [*runners, inc]
             queue = [x for i in range(self.race_samples) for x in (base if i % 2 == 0 else base[::-1])]
-            against = ", ".join(f"{s.describe()} ({others[s] * 1e3:.2f} ms)" for s in runners)
+            against = ", ".join(f"{s.describe()} ({others[s] * 1e3:.2f} ms"
+                                + (", the model's pick)" if s == fav else ")") for s in runners)
             what = (f"{why}; race: {inc.describe()} ({self.incumbent_score * 1e3:.2f} ms) against the runner"
                     f"{'-up' if len(runners) == 1 else 's-up'} {against}, {self.race_samples} fresh samples each")
         self._race = _Race(queue[1:], why, block=queue if runners else [])
@@ -699,6 +733,10 @@ class Tuner:
         medians = {s: location(p) for s, p in race.periods.items() if s in race.block or not race.block}
         if self.race_extend and race.block:
             a, b = sorted(medians, key=lambda s: (medians[s], s != self.incumbent))[:2]
+            fav = self.favoured
+            if fav in medians and fav not in (a, b) and \
+                    medians[fav] - medians[a] <= max(spread(race.periods[fav]), spread(race.periods[a])):
+                b = fav  # the question is whether the leader beats the model's pick, not the runner-up
             block = [s for s in race.block if s in (a, b)]
             noise = max(spread(race.periods[a]), spread(race.periods[b]))
             if abs(medians[a] - medians[b]) <= noise and self.samples + len(block) <= self.max_samples:
@@ -712,15 +750,21 @@ class Tuner:
         self._race = None
         old, searched = self.incumbent, self.incumbent_score
         kept = min(medians, key=lambda s: (medians[s], s != old))
+        fav, favoured_kept = self.favoured, False
+        if fav is not None and fav in medians and kept != fav and \
+                medians[fav] - medians[kept] <= max(spread(race.periods[fav]), spread(race.periods[kept])):
+            kept, favoured_kept = fav, True  # not beaten by more than the noise: the model's pick stays
         self._replace_incumbent(kept, race.periods[kept])
         self.history.append({"step": step, "verdict": "race: replaced" if kept != old else "race: kept",
                              "settings": kept.to_dict(), "median_s": self.incumbent_score,
                              "spread_s": self.incumbent_spread, "search_median_s": searched,
                              "race_medians_s": {s.describe(): m for s, m in medians.items()},
-                             "race_extensions": race.extensions})
+                             "race_extensions": race.extensions, "favoured_kept": favoured_kept})
         against = "; ".join(f"{s.describe()} {m * 1e3:.2f} ms" for s, m in medians.items())
         outcome = (f"keeping {kept.describe()}" if kept == old else
                    f"the runner-up {kept.describe()} replaces {old.describe()}")
+        if favoured_kept:
+            outcome += " (the model's pick, not beaten by more than the noise)"
         return self._settle(step, f"stop ({race.why}): race medians {against}: {outcome}, kept at "
                                   f"{self.incumbent_score * 1e3:.2f} ms (the search's score {searched * 1e3:.2f} ms)")
 

@@ -37,7 +37,7 @@ LEAD_STARTS = (SETTINGS[0], SETTINGS[4], SETTINGS[-2], SETTINGS[-1])
 
 def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise: float, after: int,
             slow_share: float = 0.0, slow_by: float = 0.0, race_extend: bool = False, race_width: int = 2,
-            race_margin: float = 0.05, lead: float | None = None) -> dict:
+            race_margin: float = 0.05, lead: float | None = None, favoured: str = "none") -> dict:
     rng = random.Random(seed)
     if lead is None:
         true = {s: 0.25 * (1 + rng.uniform(0, 0.12)) for s in SETTINGS}
@@ -61,6 +61,9 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
         race["race_extend"] = True
     if race_width != 2 or race_margin != 0.05:  # only when asked: the old rules' Tuner has neither parameter
         race.update(race_width=race_width, race_margin=race_margin)
+    if favoured != "none":  # the cost model's pick: the best setting ("right") or another start ("wrong")
+        best = min(true, key=true.get)
+        race["favoured"] = best if favoured == "right" else next(s for s in starts[::-1] if s != best)
     tuner = Tuner(starts[0], extra_starts=starts[1:], sampler=Cycle(), **race)
     running, m, next_decision, pending, first = SETTINGS[0], 0.0, 2, None, True
     settled = None
@@ -84,11 +87,11 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
 
 
 def study(runs: int, race_samples: int, race_extend: bool = False, race_width: int = 2, race_margin: float = 0.05,
-          **noise) -> dict:
+          favoured: str = "none", **noise) -> dict:
     out = [one_run(seed, race_samples, race_extend=race_extend, race_width=race_width, race_margin=race_margin,
-                   **noise) for seed in range(runs)]
+                   favoured=favoured, **noise) for seed in range(runs)]
     excess = sorted(r["excess"] for r in out)
-    return {"race_samples": race_samples, "race_extend": race_extend, "race_width": race_width,
+    return {"race_samples": race_samples, "race_extend": race_extend, "race_width": race_width, "favoured": favoured,
             "race_margin": race_margin, "runs": runs, "missed_share": sum(r["excess"] > 0 for r in out) / runs,
             "excess_mean": statistics.mean(excess),
             "excess_p90": excess[int(0.9 * runs)], "score_bias_mean": statistics.mean(r["bias"] for r in out),
@@ -112,21 +115,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=0.05, help="race_margin")
     p.add_argument("--lead", type=float, default=None,
                    help="auto's case: 4 starts, one best by this share, every other setting up to 12 %% slower")
+    p.add_argument("--favoured", default="none",
+                   help="comma-separated: none, right (the cost model's pick, Tuner(favoured=...), is the best "
+                        "setting), wrong (it is another start); each with every race_samples > 0")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     share, by = (float(x) for x in a.slow.split(","))
     noise = dict(rho=a.rho, machine=a.machine, step_noise=a.step, after=a.after, slow_share=share, slow_by=by,
                  lead=a.lead)
-    rows = [study(a.runs, int(r), extend, race_width=int(w), race_margin=a.margin, **noise) for r in a.race.split(",")
+    rows = [study(a.runs, int(r), extend, race_width=int(w), race_margin=a.margin, favoured=f, **noise)
+            for r in a.race.split(",")
             for extend in ((False, True) if a.extend and int(r) else (False,))
-            for w in (a.width.split(",") if int(r) else ("2",))]
+            for w in (a.width.split(",") if int(r) else ("2",))
+            for f in (a.favoured.split(",") if int(r) else ("none",))]
     print(f"noise: machine {a.machine:.1%} (AR {a.rho}), per step {a.step:.1%}, {share:.0%} of steps {by:.0%} "
           f"slower; {a.runs} runs each")
     print(f"race_margin {a.margin:.0%}" + (f"; 4 starts, one {a.lead:.0%} ahead of every other setting"
                                             if a.lead is not None else ""))
-    print("race width  excess mean  excess p90  missed  score bias  samples  settled at  re-tuned")
+    print("race width  favoured  excess mean  excess p90  missed  score bias  samples  settled at  re-tuned")
     for r in rows:
-        print(f"{r['race_samples']:>3}{'+' if r['race_extend'] else ' '}  {r['race_width']:>4}  "
+        print(f"{r['race_samples']:>3}{'+' if r['race_extend'] else ' '}  {r['race_width']:>4}  {r['favoured']:>8}  "
               f"{r['excess_mean']:>10.2%}  {r['excess_p90']:>10.2%}  {r['missed_share']:>6.0%}  "
               f"{r['score_bias_mean']:>+10.2%}  {r['samples_mean']:>7.1f}  {r['settled_at_step_mean']:>10.0f}  "
               f"{r['retuned_share']:>8.0%}")

@@ -805,7 +805,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         (docs/tuning.md). Where the reducer cannot run (Horovod, an unused parameter in a recorded
         step, gradient accumulation, split tied embeddings: :meth:`_reducer_unavailable`), DDP's shape
         inside commsched instead: fifo on the synchronous path with small buckets as the fusion
-        threshold (:data:`DDP_SMALL_BUCKET_BYTES`) and with DDP's default bucket (:data:`DDP_BUCKET_BYTES`)."""
+        threshold (:data:`DDP_SMALL_BUCKET_BYTES`) and with DDP's default bucket (:data:`DDP_BUCKET_BYTES`).
+        Where the planner, weighing the reducer at those buckets, names DDP's engine (communication hidden in
+        the model), that reducer start is the tuner's ``favoured``: it races at the end whatever its search
+        samples scored, and only a setting faster by more than the noise replaces it."""
         cross, direct = self._requested.cross_iteration, self._requested.direct_start
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
                        self._requested.fusion_bytes, cross_iteration=cross, direct_start=direct)
@@ -829,7 +832,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                  direct_start=direct) for b in (DDP_SMALL_BUCKET_BYTES, DDP_BUCKET_BYTES))
         last = (plain_fifo, *ddp)
         found = model_starts(self.profile(), self._topology_or_default(), self._requested.fusion_bytes,
-                             plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S, default=own)
+                             plan_min_gain=AUTO_PLAN_MIN_GAIN, plan_time_limit_s=PLAN_TIME_LIMIT_S, default=own,
+                             reducer_buckets=REDUCER_BUCKETS if why_not is None else ())
         for note in found.notes:
             tuner_log.info("%s", note)
         self._auto_plans, self._auto_notes = found.plans, list(found.notes)
@@ -839,7 +843,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         starts = [dataclasses.replace(s, direct_start=direct, cross_iteration=s.cross_iteration if s.ordering == PLANNED
                                       or s.cross_iteration in space.cross_iterations else cross)
                   for s in found.starts] or [own]
-        return Tuner(starts[0], extra_starts=(*starts[1:], own, *twin, *last), space=space, **TUNER_OPTIONS)
+        favoured = found.favoured if found.favoured in ddp else None  # one of the starts, so the search measures it
+        return Tuner(starts[0], extra_starts=(*starts[1:], own, *twin, *last), space=space, favoured=favoured,
+                     **TUNER_OPTIONS)
 
     def _with_plan(self, decision: Decision) -> Decision:
         """Rank 0: a decision to run a planned start carries its plan, for every rank."""
