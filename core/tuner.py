@@ -675,12 +675,14 @@ class Tuner:
             self._bar = None
 
     def stats(self) -> dict[str, Any]:
-        """Phase, incumbent and its score, samples, rounds, every sample's record, and once settled the
-        median period of the first window of the kept setting (what the drift checks compare with)."""
+        """Phase, incumbent and its score, samples, rounds, every sample's record, once settled the median
+        period of the first window of the kept setting (what the drift checks compare with), and the
+        favoured setting (the cost model's pick, or None)."""
         return {"phase": self.phase, "incumbent": self.incumbent.to_dict() if self.incumbent else None,
                 "incumbent_median_s": self.incumbent_score if self.incumbent else None,
                 "samples": self.samples, "rounds": self.rounds, "history": list(self.history),
-                "settled_reference_s": self._reference[0] if self._reference else None}
+                "settled_reference_s": self._reference[0] if self._reference else None,
+                "favoured": self.favoured.to_dict() if self.favoured else None}
 
     # ----------------------------------------------------------------- internals
     def _replace_incumbent(self, settings: Settings, periods: list[float]) -> None:

@@ -182,6 +182,33 @@ def test_auto_measures_torchs_reducer_among_its_starts_and_ddps_shape_where_it_c
                for n in stats["tuner"]["model"]), stats["tuner"]["model"]
 
 
+def test_auto_favours_the_reducer_the_cost_model_picks_only_where_it_is_one_of_the_starts(monkeypatch):
+    from commsched.tuner import ModelStarts
+
+    monkeypatch.setattr(optimizer_module, "TUNER_OPTIONS", dict(sample_steps=2, settle=1, max_samples=12,
+                                                                check_every=100, race_samples=1, race_width=3))
+    seen = {}
+
+    def picks(bucket):
+        def stand_in(*args, **kwargs):
+            seen.update(kwargs)
+            red = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, bucket, cross_iteration=False)
+            return ModelStarts([], {}, ["test: the reducer is the model's pick"], favoured=red)
+        return stand_in
+
+    monkeypatch.setattr(optimizer_module, "model_starts", picks(4 << 20))
+    _, stats = measured_starts(TwoHeads())
+    assert seen["reducer_buckets"] == optimizer_module.REDUCER_BUCKETS  # the reducer can run: the model weighs it
+    assert stats["tuner"]["favoured"] == Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, 4 << 20,
+                                                  cross_iteration=False).to_dict()
+    raced = {h["settings"]["fusion_bytes"] for h in stats["tuner"]["history"]
+             if h.get("verdict") == "race" and h["settings"]["ordering"] == REDUCER}
+    assert 4 << 20 in raced, stats["tuner"]["history"]  # the pick races, whatever its search sample scored
+    monkeypatch.setattr(optimizer_module, "model_starts", picks(2 << 20))  # not a start: nothing to favour
+    _, stats = measured_starts(TwoHeads())
+    assert stats["tuner"]["favoured"] is None
+
+
 def test_a_reducer_setting_describes_itself_and_round_trips():
     s = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, 4 << 20, cross_iteration=False)
     assert s.describe() == "torch's reducer (DDP's, buckets 4MiB) synchronous"
