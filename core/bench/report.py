@@ -104,7 +104,7 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
               "cpu_busy", "cpu_steal", "plan", "tuner", "step_times_s", "rerun_steal")
 #: Keys of ``results[].rounds[].tuner`` (``auto``: what that round's tuner kept; ``null`` otherwise).
-ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history")
+ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history", "favoured")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
 ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s",
                    "profile_drift", "engine", "bucket_bytes", "planner_order", "planner_digest")
@@ -543,7 +543,8 @@ def round_tuner(stats: Any) -> dict[str, Any] | None:
     """What an ``auto`` round's tuner kept (:data:`ROUND_TUNER_KEYS`): the setting, its score (after
     the final race: the race's fresh median), the samples, the last verdict, and every sample of the
     round as ``[setting, median_s, spread_s, verdict]`` (why a round kept what it kept: only the
-    representative round keeps its whole ``stats``); None for other strategies."""
+    representative round keeps its whole ``stats``), and the cost model's pick the race favoured (or None);
+    None for other strategies."""
     tuner = stats.get("tuner") if isinstance(stats, dict) else None
     if not isinstance(tuner, dict) or not tuner.get("incumbent"):
         return None
@@ -552,7 +553,8 @@ def round_tuner(stats: Any) -> dict[str, Any] | None:
                 h.get("spread_s"), h.get("verdict")] for h in history]
     return {"kept": Settings.from_dict(tuner["incumbent"]).describe(), "score_s": tuner.get("incumbent_median_s"),
             "samples": tuner.get("samples"), "verdict": history[-1].get("verdict") if history else None,
-            "history": samples}
+            "history": samples,
+            "favoured": Settings.from_dict(tuner["favoured"]).describe() if tuner.get("favoured") else None}
 
 
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
@@ -1076,7 +1078,8 @@ def rounds_table(results: list[dict]) -> list[str]:
         for name, x in tuned:
             t = x["tuner"]
             lines.append(f"- {name} round {x['round']}: {t['kept']}, scored {_fmt(t['score_s'], '.3f')} s, measured "
-                         f"{_fmt(x['step_time_s'], '.3f')} s; {t['samples']} samples, last verdict {t['verdict']}")
+                         f"{_fmt(x['step_time_s'], '.3f')} s; {t['samples']} samples, last verdict {t['verdict']}"
+                         + (f"; the model's pick: {t['favoured']}" if t.get("favoured") else ""))
     reruns = rounds_with("rerun_steal")
     if reruns:
         lines += ["", "Rounds run again because the hypervisor took CPU (--max-steal; the steal of each run "
