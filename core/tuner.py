@@ -66,7 +66,7 @@ model's pick where it cannot price what separates the candidates; the PyTorch pl
 where the planner names DDP's engine, :func:`model_starts`) races whatever its search samples scored, in
 place of the last runner-up, and is kept unless another setting's race median beats its own by more than
 their noise (an extension then runs between the leader and it): compute-heavy, 2026-12-07, the reducer's
-one search sample fell in a slow moment and it never raced, and ``auto`` kept a setting 12 % slower than
+one search sample fell in a slow moment and it never raced, and ``auto`` kept ``dynamic``, which ran 0.88x
 ``ddp:1``. In the study below (4 starts, one 3 % ahead, the machine wandering 6 %), favouring the best
 start cut the kept setting's mean excess from 0.71 % to 0.18 % and favouring another start raised it to
 0.95 % (docs/tuning.md). Over 300 seeded runs of 9 settings within
@@ -735,10 +735,8 @@ class Tuner:
         medians = {s: location(p) for s, p in race.periods.items() if s in race.block or not race.block}
         if self.race_extend and race.block:
             a, b = sorted(medians, key=lambda s: (medians[s], s != self.incumbent))[:2]
-            fav = self.favoured
-            if fav in medians and fav not in (a, b) and \
-                    medians[fav] - medians[a] <= max(spread(race.periods[fav]), spread(race.periods[a])):
-                b = fav  # the question is whether the leader beats the model's pick, not the runner-up
+            if self._favoured_holds(race, medians, a) and self.favoured not in (a, b):
+                b = self.favoured  # the question is whether the leader beats the model's pick, not the runner-up
             block = [s for s in race.block if s in (a, b)]
             noise = max(spread(race.periods[a]), spread(race.periods[b]))
             if abs(medians[a] - medians[b]) <= noise and self.samples + len(block) <= self.max_samples:
@@ -752,10 +750,9 @@ class Tuner:
         self._race = None
         old, searched = self.incumbent, self.incumbent_score
         kept = min(medians, key=lambda s: (medians[s], s != old))
-        fav, favoured_kept = self.favoured, False
-        if fav is not None and fav in medians and kept != fav and \
-                medians[fav] - medians[kept] <= max(spread(race.periods[fav]), spread(race.periods[kept])):
-            kept, favoured_kept = fav, True  # not beaten by more than the noise: the model's pick stays
+        favoured_kept = kept != self.favoured and self._favoured_holds(race, medians, kept)
+        if favoured_kept:
+            kept = self.favoured  # not beaten by more than the noise: the model's pick stays
         self._replace_incumbent(kept, race.periods[kept])
         self.history.append({"step": step, "verdict": "race: replaced" if kept != old else "race: kept",
                              "settings": kept.to_dict(), "median_s": self.incumbent_score,
@@ -769,6 +766,14 @@ class Tuner:
             outcome += " (the model's pick, not beaten by more than the noise)"
         return self._settle(step, f"stop ({race.why}): race medians {against}: {outcome}, kept at "
                                   f"{self.incumbent_score * 1e3:.2f} ms (the search's score {searched * 1e3:.2f} ms)")
+
+    def _favoured_holds(self, race: _Race, medians: dict[Settings, float], leader: Settings) -> bool:
+        """Whether the favoured setting is still in the race (``medians``) and ``leader``'s race median beats
+        its own by no more than their noise (the larger :func:`spread` of the two settings' race periods)."""
+        fav = self.favoured
+        if fav is None or fav not in medians:
+            return False
+        return medians[fav] - medians[leader] <= max(spread(race.periods[fav]), spread(race.periods[leader]))
 
     def _next_sample(self, step: int, why: str, confirm: Settings | None = None,
                      recheck: Settings | None = None, again: Settings | None = None,
