@@ -335,7 +335,8 @@ def model_starts(profile: Any, topology: Any, fusion_bytes: int, *, plan_min_gai
 
         usual = None if default is None else {"ordering": default.ordering, "partition_bytes": default.partition_bytes,
                                               "credit_bytes": default.credit_bytes}
-        advice = advise(profile, topology, fusion_bytes=fusion_bytes, default=usual)
+        # no two-level plan in the advice: the planner's own plan is made below
+        advice = advise(profile, topology, fusion_bytes=fusion_bytes, default=usual, weigh_plan=False)
         a = advice["settings"]
         advised = Settings(a["ordering"], a.get("partition_bytes", UNLIMITED_BYTES),
                            a.get("credit_bytes", UNLIMITED_BYTES), a.get("fusion_bytes", fusion_bytes),

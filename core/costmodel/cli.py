@@ -654,40 +654,31 @@ def advise_grid(profile: Profile) -> tuple[tuple[float, ...], tuple[float, ...]]
 
 
 def two_level_plan(profile: Profile, topology: Topology) -> dict[str, Any] | None:
-    """The planner's greedy plan on a two-level topology (nodes x ranks per node, both > 1): earliest due
-    date, each piece with the faster of the flat ring and the two-level algorithm (``rule="best"``), over
-    the planner's piece sizes x credits for this model (:meth:`PlanSearch.for_profile`, no fusion); of the
-    candidates within ``PlanSearch.tie_tolerance`` of the fastest, the one with the fewest pieces (the
-    planner's rule). What only a plan runs at runtime: the two-level algorithm needs the plan's
-    subgroups. None on one node or one rank per node (the algorithm is the flat ring's there). The
-    planner itself (``commsched plan``) searches further (the other algorithm rules, fusion, per-tensor sizes,
-    the MILP's order): its plan is predicted no slower than this one, up to its own tie tolerance."""
-    from commsched.costmodel.planner import _deep_enough, greedy_plan, make_groups
+    """The planner's greedy plan on a two-level topology (nodes x ranks per node, both > 1): its greedy stage
+    (:func:`~commsched.costmodel.planner.greedy_grid`: earliest due date over the planner's piece sizes x
+    credits for this model, :meth:`PlanSearch.for_profile`) with no fusion and each piece on the faster of
+    the flat ring and the two-level algorithm (rule ``"best"``), chosen by the planner's tie rule. What only a
+    plan runs at runtime: the two-level algorithm needs the plan's subgroups. None on one node or one rank per
+    node (the algorithm is the flat ring's there). The planner itself (``commsched plan``) searches further
+    (the other algorithm rules, fusion, per-tensor sizes, the MILP's order): its plan is predicted no slower
+    than this one, up to its own tie tolerance."""
+    from commsched.costmodel.planner import fewest_pieces_of_ties, greedy_grid
 
     if topology.nodes <= 1 or topology.ranks_per_node <= 1:
         return None
-    search = PlanSearch.for_profile(profile)
-    found = []
-    for partition in search.partitions:
-        groups = make_groups(profile, 0, partition)
-        credits = [c for c in search.credits if _deep_enough(profile, topology, groups, c, search)]
-        for credit in credits or [max(search.credits)]:
-            plan, result = greedy_plan(profile, topology, groups, credit, "best", search.simulated_steps)
-            found.append((result, partition, credit, plan))
-    fastest = min(r.step_time_s for r, *_ in found)
-    result, partition, credit, plan = min(
-        (f for f in found if f[0].step_time_s <= fastest * (1 + search.tie_tolerance)),
-        key=lambda f: (f[0].pieces_per_step, -f[2], f[0].step_time_s))
-    two_level = sum(p.algorithm != "ring" for p in plan.pieces)
-    return {"step_s": result.step_time_s, "partition_bytes": partition, "credit_bytes": credit,
-            "pieces_per_step": result.pieces_per_step, "two_level_pieces": two_level, "pieces": len(plan.pieces),
+    search = PlanSearch.for_profile(profile, fusions=(0,))
+    _, knobs, plan, result = fewest_pieces_of_ties(greedy_grid(profile, topology, search, ("best",)),
+                                                   search.tie_tolerance)
+    return {"step_s": result.step_time_s, "partition_bytes": knobs["partition_bytes"],
+            "credit_bytes": knobs["credit_bytes"], "pieces_per_step": result.pieces_per_step,
+            "two_level_pieces": sum(p.algorithm != "ring" for p in plan.pieces), "pieces": len(plan.pieces),
             "exposed_comm_s": result.exposed_comm_s}
 
 
 def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, ...] | None = None,
            credit_mb: tuple[float, ...] | None = None, fusion_bytes: int | None = None,
            default: dict[str, Any] | None = None, margin: float | None = None,
-           sync_fusion_mb: tuple[float, ...] = SYNC_FUSION_MB) -> dict[str, Any]:
+           sync_fusion_mb: tuple[float, ...] = SYNC_FUSION_MB, weigh_plan: bool = True) -> dict[str, Any]:
     """Whether scheduling helps this model on this network, by how much, with which settings, and why.
     ``fusion_bytes``: the runtime's fusion of small gradients (default the runtime's, 256 KiB).
 
@@ -708,7 +699,12 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     apart what it misses decides. Measured on comm-heavy (2 workers, 1 Gbit/s): the model put 4 MiB
     pieces under a 4 MiB credit 2.1 % ahead of 1 MiB pieces under 4 MiB, and they ran 5-10 % behind in
     three runs (one piece in flight: every piece waits for both ranks' issue, and the small ones run
-    alone). ``best_candidate`` is the model's own best either way."""
+    alone). ``best_candidate`` is the model's own best either way.
+
+    On a two-level network (``weigh_plan``, the default) it also weighs the planner's greedy plan
+    (:func:`two_level_plan`: only a plan runs the two-level algorithm), under ``planned``, recommended where it
+    is more than ``margin`` ahead of ``settings``; ``settings`` stays the best runtime setting either way.
+    ``weigh_plan=False``: a caller that makes the planner's own plan beside the advice (``auto``'s starts)."""
     fusion = SimSettings().fusion_bytes if fusion_bytes is None else int(fusion_bytes)
     margin = PlanSearch.min_gain if margin is None else float(margin)
     grid_partitions, grid_credits = advise_grid(profile)
@@ -776,8 +772,8 @@ def advise(profile: Profile, topology: Topology, *, partition_mb: tuple[float, .
     if algo != "ring" and algo_s < comm * 0.95:
         reasons.append(f"the {algo} algorithm would cut the all-reduce of the whole gradient from {comm:.3g} s to "
                        f"{algo_s:.3g} s (the topology planner chooses it per piece)")
-    try:
-        planned = two_level_plan(profile, topology)  # None on a flat network
+    try:  # None on a flat network; not weighed for a caller that makes the planner's own plan (auto's starts)
+        planned = two_level_plan(profile, topology) if weigh_plan else None
     except ImportError as exc:  # the planner's module missing: the runtime settings' advice stands alone
         planned = None
         reasons.append(f"no two-level plan weighed ({exc})")

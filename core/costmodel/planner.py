@@ -295,6 +295,40 @@ def greedy_plan(profile: Profile, topology: Topology, groups: list[PlanGroup], c
     return plan, simulate(profile, topology, "planned", settings, plan=plan)
 
 
+#: One greedy candidate: (simulated step s, its knobs: fusion, partition, algorithm rule, credit; plan; result)
+Greedy = tuple[float, dict[str, Any], Plan, SimResult]
+
+
+def greedy_grid(profile: Profile, topology: Topology, search: PlanSearch, rules: tuple[str, ...],
+                on_scored: Callable[[], None] | None = None) -> list[Greedy]:
+    """The earliest-due-date plan (:func:`greedy_plan`) of every fusion x piece size x algorithm rule x
+    credit deep enough (:func:`_deep_enough`) of ``search``, fastest first; ``on_scored`` after each."""
+    greedy: list[Greedy] = []
+    for fusion in search.fusions:
+        for partition in search.partitions:
+            groups = make_groups(profile, fusion, partition)
+            credits = [c for c in search.credits if _deep_enough(profile, topology, groups, c, search)]
+            for rule in rules:
+                for credit in credits or [max(search.credits)]:
+                    plan, result = greedy_plan(profile, topology, groups, credit, rule, search.simulated_steps)
+                    if on_scored is not None:
+                        on_scored()
+                    knobs = {"fusion_bytes": fusion, "partition_bytes": partition, "algorithm": rule,
+                             "credit_bytes": credit}
+                    greedy.append((result.step_time_s, knobs, plan, result))
+    greedy.sort(key=lambda item: item[0])
+    return greedy
+
+
+def fewest_pieces_of_ties(greedy: list[Greedy], tie_tolerance: float) -> Greedy:
+    """Of the candidates within ``tie_tolerance`` of the fastest, the one with the fewest pieces a step, then
+    the deeper credit (``PlanSearch.tie_tolerance``: where the model cannot tell plans apart, fewer collectives
+    is the safer choice)."""
+    fastest = min(g[0] for g in greedy)
+    ties = [g for g in greedy if g[0] <= fastest * (1 + tie_tolerance)]
+    return min(ties, key=lambda g: (g[3].pieces_per_step, -g[1]["credit_bytes"], g[0]))
+
+
 def _reducer_engine(profile: Profile, topology: Topology, search: PlanSearch, best_s: float,
                     settings: SimSettings) -> tuple[Plan, SimResult, dict[str, Any]] | None:
     """The ``engine`` stage: a plan that names DDP's own engine, or None to keep commsched's.
@@ -523,24 +557,14 @@ def make_plan(profile: Profile, topology: Topology, search: PlanSearch | None = 
 
     # stage 1: greedy (EDD) over the grid
     tick("greedy")
-    greedy: list[tuple[float, dict[str, Any], Plan, SimResult]] = []
-    for fusion in search.fusions:
-        for partition in search.partitions:
-            groups = make_groups(profile, fusion, partition)
-            credits = [c for c in search.credits if _deep_enough(profile, topology, groups, c, search)]
-            for rule in rules:
-                for credit in credits or [max(search.credits)]:
-                    plan, result = greedy_plan(profile, topology, groups, credit, rule, steps)
-                    scored[0] += 1
-                    tick()
-                    knobs = {"fusion_bytes": fusion, "partition_bytes": partition, "algorithm": rule,
-                             "credit_bytes": credit}
-                    greedy.append((result.step_time_s, knobs, plan, result))
-    greedy.sort(key=lambda item: item[0])
+
+    def scored_one() -> None:
+        scored[0] += 1
+        tick()
+
+    greedy = greedy_grid(profile, topology, search, rules, on_scored=scored_one)
     default = next((g for g in greedy if g[1] == DEFAULT_KNOBS), None)  # the runtime's settings as a plan
-    fastest = greedy[0][0]
-    ties = [g for g in greedy if g[0] <= fastest * (1 + search.tie_tolerance)]
-    chosen = min(ties, key=lambda g: (g[3].pieces_per_step, -g[1]["credit_bytes"], g[0]))
+    chosen = fewest_pieces_of_ties(greedy, search.tie_tolerance)
     greedy.remove(chosen)
     greedy.insert(0, chosen)
     best_time, best_knobs, best_plan, best_result = chosen

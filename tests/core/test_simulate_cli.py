@@ -204,6 +204,9 @@ def test_advise_names_the_planners_two_level_plan_where_only_a_plan_runs_the_fas
     assert any("only a plan runs the two-level" in r and "ordering=\"planned\"" in r for r in out["reasons"])
     # the runtime settings stay what runs without a plan file (the tuner's start reads them)
     assert out["settings"]["ordering"] in ("fifo", "dynamic")
+    # auto's starts make the planner's own plan: their advice builds none, and its settings are the same
+    bare = advise(prof, topo, weigh_plan=False)
+    assert bare["planned"] is None and bare["settings"] == out["settings"]
     # the planner, searching further, predicts no slower than the advice's plan (up to its tie tolerance)
     made = make_plan(prof, topo, time_limit_s=1.0)
     assert made.step_time_s <= planned["step_s"] * (1 + PlanSearch.tie_tolerance) + 1e-9
