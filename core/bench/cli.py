@@ -42,7 +42,14 @@ from commsched.bench.report import (
     step_fields,
     write_json,
 )
-from commsched.bench.runner import RunConfig, Runner, check_max_steal, make_work_dir, round_order
+from commsched.bench.runner import (
+    RunConfig,
+    Runner,
+    check_interleave,
+    check_max_steal,
+    make_work_dir,
+    round_order,
+)
 from commsched.bench.spec import parse_strategies
 from commsched.progress import Progress
 
@@ -107,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run a strategy's phase again when the hypervisor took more than this share of the "
                              "machine's CPU during its measured steps (its cpu_steal; e.g. 0.05); the run with the "
                              "least steal is kept and the others' steal reported (rerun_steal). Default: never")
+    parser.add_argument("--interleave", type=int, default=0, metavar="BLOCKS",
+                        help="run every strategy in one phase, in the same worker processes (each on its own copy of "
+                             "the model), alternating in BLOCKS blocks of --steps measured steps each (one lead step "
+                             "before each block, communication drained after it); each block is reported as a round, "
+                             "paired like rounds. Seconds apart instead of a phase apart, two strategies see the "
+                             "same host (docs/bench.md, Interleaved blocks). Not with --rounds, --max-steal, "
+                             "--timeline or horovod. Default 0: one phase per strategy")
     parser.add_argument("--steal-retries", type=int, default=2,
                         help="with --max-steal: at most this many more runs of one phase (default 2)")
 
@@ -133,6 +147,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
     parse_rate(args.bandwidth)
     parse_rate(args.intra_bandwidth)
     strategies = parse_strategies(args.strategies)
+    interleave = getattr(args, "interleave", 0)
+    check_interleave(interleave, rounds, max_steal, args.timeline, strategies)
     calibrate = getattr(args, "calibrate", False)
     if calibrate and args.batch_size is not None:
         raise ValueError(f"--calibrate chooses the batch size itself; drop --batch-size {args.batch_size} "
@@ -153,7 +169,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         partition_bytes=int(args.partition_mb * MB), credit_bytes=int(args.credit_mb * MB),
         network=args.network, timeline_dir=args.timeline, seed=args.seed,
         phase_timeout_s=args.timeout, calibrate=calibrate, rounds=rounds,
-        max_steal=max_steal, steal_retries=steal_retries,
+        max_steal=max_steal, steal_retries=steal_retries, interleave=interleave,
     )
 
 
@@ -207,11 +223,13 @@ def run(args: argparse.Namespace) -> int:
         "batch_size": config.batch_size, "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "network": config.network, "seed": config.seed,
         "extra": {"timeout_s": config.phase_timeout_s, "calibrate": config.calibrate, "rounds": config.rounds,
-                  "max_steal": config.max_steal, "steal_retries": config.steal_retries},
+                  "max_steal": config.max_steal, "steal_retries": config.steal_retries,
+                  "interleave": config.interleave},
     }
     report = build_report(run_config, cluster.emulation, cluster.note,
                           {"name": workload.name, "description": workload.description},
-                          baseline, [p if config.rounds > 1 else p[0] for p in phases], calibration=calibration)
+                          baseline, [p if config.rounds > 1 or config.interleave else p[0] for p in phases],
+                          calibration=calibration)
     print(markdown(report))
     write_json(report, args.json)
     if args.plot:

@@ -979,7 +979,8 @@ def markdown(report: dict) -> str:
             f"| {_overlap_cell(r)} | {_efficiency_cell(r)} | {busy} "
             f"| {_fmt(r['pieces_per_step'], '.0f')} |"
         )
-    lines += rounds_table(report["results"])
+    blocks = ((report.get("config") or {}).get("extra") or {}).get("interleave")
+    lines += rounds_table(report["results"], interleaved=bool(blocks))
     lines += breakdown_table(report["results"])
     if report["warnings"]:
         lines += ["", "Warnings:"] + [f"- {w}" for w in report["warnings"]]
@@ -1028,16 +1029,21 @@ def _calibration_line(cal: dict) -> str:
     return line
 
 
-def rounds_table(results: list[dict]) -> list[str]:
+def rounds_table(results: list[dict], interleaved: bool = False) -> list[str]:
     """With ``--rounds``: each strategy's median step and paired speedup per round, and the CPU
-    steal of its slowest round (a round that ran on a stolen CPU says so)."""
+    steal of its slowest round (a round that ran on a stolen CPU says so). ``interleaved``
+    (``--interleave``): the rounds are the blocks of one phase, and the table says so."""
     with_rounds = [r for r in results if r.get("rounds")]
     if not with_rounds:
         return []
     count = max(len(r["rounds"]) for r in with_rounds)
     head = " | ".join(f"round {i + 1}" for i in range(count))
-    lines = ["", "Per round (median step s, speedup within the round, position in the round's order; "
-                 "the table above: median of the rounds, paired speedup):", "",
+    what = ("Per block of the one interleaved phase (each block reported as a round: median step s, speedup "
+            "within the block, position in the block's order; the table above: median of the blocks, paired "
+            "speedup):") if interleaved else (
+            "Per round (median step s, speedup within the round, position in the round's order; "
+            "the table above: median of the rounds, paired speedup):")
+    lines = ["", what, "",
              f"| strategy | {head} | speedup min..max | max CPU steal |",
              "|---|" + "---:|" * (count + 2)]
     for r in with_rounds:

@@ -62,6 +62,9 @@ class RunConfig:
     #: ``cpu_steal``) runs again, up to ``steal_retries`` more times; None: never (Runner.train_phase)
     max_steal: float | None = None
     steal_retries: int = 2
+    #: > 0: every strategy in one phase, in this many blocks of ``steps`` measured steps each, alternating
+    #: (Runner.interleaved); each block is reported as a round. 0: one phase per strategy and round
+    interleave: int = 0
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -69,8 +72,33 @@ class RunConfig:
         check_max_steal(self.max_steal, "max_steal")
         if self.steal_retries < 0:
             raise ValueError(f"steal_retries must be >= 0, got {self.steal_retries}")
+        check_interleave(self.interleave, self.rounds, self.max_steal, self.timeline_dir, self.strategies)
         if self.baseline_steps <= 0:
             self.baseline_steps = max(3, min(self.steps, 10))
+
+
+def check_interleave(blocks: int, rounds: int, max_steal: float | None, timeline_dir: str | None,
+                     strategies: list[StrategySpec]) -> None:
+    """Refuse an interleaved run (``--interleave BLOCKS``; 0: off) that cannot be one: too few blocks to pair, or
+    with an option that needs a phase per strategy."""
+    if blocks == 0:
+        return
+    if blocks < 2:
+        raise ValueError(f"--interleave is the number of blocks per strategy, >= 2 to pair them (0: off), got {blocks}")
+    if rounds > 1:
+        raise ValueError(f"--interleave {blocks} and --rounds {rounds} both repeat every strategy: give one (each "
+                         "block is reported as a round)")
+    if max_steal is not None:
+        raise ValueError("--max-steal runs a phase again, and an interleaved run is one phase: drop it (each "
+                         "block's CPU steal is reported, and commsched.bench.paired marks the blocks that lost "
+                         "more than 5 %)")
+    if timeline_dir:
+        raise ValueError("--timeline: an interleaved run writes no traces (its strategies share one process); "
+                         "run the strategy alone with --timeline")
+    horovod = [spec.name for spec in strategies if spec.kind == "horovod"]
+    if horovod:
+        raise ValueError(f"{horovod[0]} cannot share a worker process with other strategies (Horovod's own engine "
+                         "and its optimizer hooks): run it without --interleave")
 
 
 def check_max_steal(value: float | None, name: str) -> None:
@@ -164,7 +192,8 @@ class Runner:
         self.cluster = cluster
         self.work_dir = work_dir
         self.log = log
-        self.total_phases = 1 + len(config.strategies) * config.rounds + (2 if config.calibrate else 0)
+        self.total_phases = (1 + (1 if config.interleave else len(config.strategies) * config.rounds)
+                             + (2 if config.calibrate else 0))
         self._first = 0  # index of the baseline phase (after any calibration phases)
         #: the baseline phase's compute (forward + backward + optimizer, every rank at once), once it ran:
         #: strategies that model the step (planned) scale a cached profile to it (Profile.drift)
@@ -172,7 +201,8 @@ class Runner:
         per_node = config.workers // config.nodes
         self.rank_nodes = [cluster.nodes[r // per_node] for r in range(config.workers)]
 
-    def _spec(self, run_dir: str, mode: str, port: int, strategy: str | None, round_index: int = 0) -> dict:
+    def _spec(self, run_dir: str, mode: str, port: int, strategy: str | None, round_index: int = 0,
+              strategies: list[str] | None = None) -> dict:
         c = self.config
         timeline = None
         if strategy is not None and c.timeline_dir:
@@ -191,10 +221,13 @@ class Runner:
             # the cluster as built, for strategies that model it (planned: profile and topology)
             "bandwidth": c.bandwidth, "intra_bandwidth": c.intra_bandwidth, "network": c.network,
             "phase_timeout_s": c.phase_timeout_s, "baseline_compute_s": self.baseline_compute_s,
+            # mode "interleave": the strategies that share the phase, and the blocks each runs
+            "strategies": strategies, "blocks": c.interleave,
         }
 
     def run_phase(self, index: int, name: str, mode: str,
-                  strategy: str | None = None, round_index: int = 0) -> PhaseResult:
+                  strategy: str | None = None, round_index: int = 0,
+                  strategies: list[str] | None = None) -> PhaseResult:
         """Launch every rank for one phase, wait, and read their result files."""
         run_dir = os.path.join(self.work_dir, f"{index:02d}_{file_safe(name)}")
         os.makedirs(run_dir)
@@ -202,7 +235,7 @@ class Runner:
             else free_ports(1)[0]
         spec_path = os.path.join(run_dir, "spec.json")
         with open(spec_path, "w") as f:
-            json.dump(self._spec(run_dir, mode, port, strategy, round_index), f, indent=1)
+            json.dump(self._spec(run_dir, mode, port, strategy, round_index, strategies), f, indent=1)
         commands, envs, logs = [], [], []
         for rank, node in enumerate(self.rank_nodes):
             commands.append(node.wrap([sys.executable, "-m", self.worker_module,
@@ -302,6 +335,13 @@ class Runner:
                 self.baseline_compute_s = summarize_baseline(baseline.ranks)["compute_s"]
             except (KeyError, TypeError, ValueError):  # a worker that reports less: nothing to scale to
                 self.baseline_compute_s = None
+        if self.config.interleave:
+            results = self.interleaved(index + 1)
+            if on_phase is not None:
+                for phases in results:
+                    for result in phases:
+                        on_phase(result)
+            return baseline, results
         results: list[list[PhaseResult]] = [[] for _ in self.config.strategies]
         for round_index in range(rounds):
             for position, which in enumerate(round_order(len(self.config.strategies), round_index)):
@@ -322,6 +362,39 @@ class Runner:
                     on_phase(result)
         return baseline, results
 
+
+    def interleaved(self, index: int) -> list[list[PhaseResult]]:
+        """``config.interleave``: every strategy that can run here in one phase (the worker's ``mode="interleave"``:
+        each on its own copy of the model, alternating in blocks). Returns, per strategy in the configured
+        order, one result per block (``round`` the block, ``position`` where in the block's order it ran), so
+        the report pairs blocks as it pairs rounds; a strategy that cannot run, or a phase that failed, is one
+        skipped or failed result."""
+        specs = self.config.strategies
+        results: list[list[PhaseResult]] = [[] for _ in specs]
+        runnable = []
+        for which, spec in enumerate(specs):
+            reason = self.unavailable(spec)
+            if reason is None:
+                runnable.append(which)
+            else:
+                print(f"[{index + 1}/{self.total_phases}] {spec.name}: skipped: {reason}", file=self.log, flush=True)
+                results[which] = [PhaseResult(spec.name, "skipped", reason=reason)]
+        if not runnable:
+            return results
+        names = [specs[which].name for which in runnable]
+        phase = self.run_phase(index, "interleaved", "interleave", strategies=names)
+        for which, name in zip(runnable, names, strict=True):
+            if phase.status != "ok":
+                results[which] = [PhaseResult(name, phase.status, reason=phase.reason)]
+                continue
+            per_rank = [r["interleaved"][name] for r in phase.ranks]
+            if isinstance(per_rank[0], dict):  # {"skipped": why}: the worker could not build it
+                results[which] = [PhaseResult(name, "skipped", reason=per_rank[0].get("skipped", "skipped"))]
+                continue
+            results[which] = [PhaseResult(name, "ok", [blocks[b] for blocks in per_rank], round=b,
+                                          position=per_rank[0][b]["position"])
+                              for b in range(len(per_rank[0]))]
+        return results
 
     def train_phase(self, index: int, name: str, strategy: str, round_index: int) -> tuple[PhaseResult, int]:
         """Run one strategy's phase; where ``config.max_steal`` is set and the hypervisor took more of the

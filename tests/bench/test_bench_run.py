@@ -162,6 +162,29 @@ def test_rounds_interleave_the_strategies_and_pair_the_speedups(tmp_path):
     assert "dynamic (round 2/2): done" in proc.stderr and "Per round" in proc.stdout
 
 
+def test_interleave_alternates_the_strategies_in_one_phase_and_pairs_the_blocks(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _bench("--network", "loopback", "--strategies", "ddp,dynamic,auto", "--interleave", "3",
+                  "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["extra"]["interleave"] == 3
+    assert "[2/2] interleaved: done" in proc.stderr  # one phase for the three
+    entries = report["results"]
+    for entry in entries:
+        _check_entry(entry, report)
+        assert [(x["round"], x["status"]) for x in entry["rounds"]] == [(1, "ok"), (2, "ok"), (3, "ok")]
+        assert entry["measured_steps"] == 3 * 3  # every block's steps pooled
+        assert all(len(x["step_times_s"]) == 3 for x in entry["rounds"])
+    # every block runs the three once, in a row of the Williams design
+    for block in range(3):
+        assert sorted(e["rounds"][block]["position"] for e in entries) == [1, 2, 3]
+    assert [e["rounds"][1]["position"] for e in entries] != [e["rounds"][0]["position"] for e in entries]
+    auto = entries[2]
+    assert all(x["tuner"] is not None and x["tuner"]["kept"] for x in auto["rounds"])
+    assert "Per block of the one interleaved phase" in proc.stdout
+
+
 @pytest.mark.parametrize(("argv", "fix"), [
     (["--workload", "no_such_module_xyz:f"], "no_such_module_xyz"),
     (["--workload", "nope"], "balanced"),
@@ -170,6 +193,9 @@ def test_rounds_interleave_the_strategies_and_pair_the_speedups(tmp_path):
     (["--workers", "4", "--nodes", "3"], "divide"),
     (["--bandwidth", "1gbps"], "gbit"),
     (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--interleave", "1"], "--interleave is the number of blocks"),
+    (["--interleave", "4", "--rounds", "3"], "give one"),
+    (["--interleave", "4", "--strategies", "ddp,horovod"], "without --interleave"),
 ])
 def test_bad_arguments_exit_2_naming_the_fix(argv, fix, capsys):
     import argparse

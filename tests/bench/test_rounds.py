@@ -325,6 +325,92 @@ def test_every_strategy_phase_is_told_the_baseline_s_compute(tmp_path, monkeypat
         assert runner.baseline_compute_s == (0.25 if summary else None)
 
 
+_INTERLEAVE_WORKER = textwrap.dedent("""
+    import argparse, json, os
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec"); p.add_argument("--rank", type=int)
+    a = p.parse_args()
+    spec = json.load(open(a.spec))
+    with open(os.path.join(os.path.dirname(spec["run_dir"]), "launches.txt"), "a") as f:
+        f.write(f"{spec['mode']}:{','.join(spec['strategies'] or [])}\\n")
+    out = {"ok": True}
+    if spec["mode"] == "interleave":
+        # "static" stands for a strategy the worker cannot build; the others run spec["blocks"] blocks,
+        # each block's step a hundredth of a second per position, so the split is visible
+        live = [n for n in spec["strategies"] if n != "static"]
+        out = {"interleaved": {"static": {"skipped": "no plan here"}}}
+        for i, name in enumerate(live):
+            out["interleaved"][name] = [{"step_times_s": [1.0 + i + b / 100] * spec["steps"],
+                                         "position": (i + b) % len(live)} for b in range(spec["blocks"])]
+    with open(os.path.join(spec["run_dir"], f"rank{a.rank}.json"), "w") as f:
+        json.dump(out, f)
+""")
+
+
+def test_interleave_runs_every_strategy_in_one_phase_and_reports_each_block_as_a_round(tmp_path, monkeypatch):
+    (tmp_path / "fake_interleave_worker.py").write_text(_INTERLEAVE_WORKER)
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(workload="tiny", workers=2, nodes=2, bandwidth=None, intra_bandwidth=None,
+                       strategies=parse_strategies("ddp,fifo,dynamic,static"), steps=2, warmup=0, batch_size=1,
+                       partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback", phase_timeout_s=60,
+                       interleave=3)
+    work = tmp_path / "work"
+    work.mkdir()
+    log = io.StringIO()
+    runner = Runner(config, LoopbackCluster(2), str(work), worker_module="fake_interleave_worker", log=log,
+                    unavailable=lambda spec: "not here" if spec.name == "fifo" else None)
+    assert runner.total_phases == 2  # the baseline and one interleaved phase
+    seen = []
+    baseline, phases = runner.run_all(on_phase=seen.append)
+    assert baseline.status == "ok"
+    # one launch per rank for all strategies; fifo, unavailable here, is not sent to the workers
+    assert (work / "launches.txt").read_text().split() == ["baseline:", "baseline:", "interleave:ddp,dynamic,static",
+                                                           "interleave:ddp,dynamic,static"]
+    assert [[(p.name, p.status, p.round, p.position) for p in per] for per in phases] == [
+        [("ddp", "ok", 0, 0), ("ddp", "ok", 1, 1), ("ddp", "ok", 2, 0)],
+        [("fifo", "skipped", 0, 0)],
+        [("dynamic", "ok", 0, 1), ("dynamic", "ok", 1, 0), ("dynamic", "ok", 2, 1)],
+        [("static", "skipped", 0, 0)]]
+    assert phases[3][0].reason == "no plan here"
+    # each block's ranks are that block's results, one per rank
+    assert [p.ranks[1]["step_times_s"] for p in phases[2]] == [[2.0, 2.0], [2.01, 2.01], [2.02, 2.02]]
+    assert len(seen) == 3 + 1 + 3 + 1
+    assert "fifo: skipped: not here" in log.getvalue() and "interleaved: done" in log.getvalue()
+
+
+def test_an_interleaved_phase_that_fails_fails_every_strategy_in_it(tmp_path, monkeypatch):
+    (tmp_path / "fake_failing_worker.py").write_text(
+        "import json, sys\nspec = json.load(open(sys.argv[2]))\n"
+        "sys.exit(3 if spec['mode'] == 'interleave' else 0)\n")
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None,
+                       strategies=parse_strategies("ddp,dynamic"), steps=1, warmup=0, batch_size=1,
+                       partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback", phase_timeout_s=60,
+                       interleave=2)
+    work = tmp_path / "work"
+    work.mkdir()
+    _, phases = Runner(config, LoopbackCluster(1), str(work), worker_module="fake_failing_worker",
+                       log=io.StringIO()).run_all()
+    assert [[(p.name, p.status) for p in per] for per in phases] == [[("ddp", "failed")], [("dynamic", "failed")]]
+    assert all(per[0].reason for per in phases)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"interleave": 1}, "--interleave is the number of blocks"),
+    ({"interleave": -2}, "--interleave is the number of blocks"),
+    ({"interleave": 4, "rounds": 3}, "give one"),
+    ({"interleave": 4, "max_steal": 0.05}, "--max-steal runs a phase again"),
+    ({"interleave": 4, "timeline_dir": "t"}, "run the strategy alone with --timeline"),
+    ({"interleave": 4, "strategies": "ddp,horovod"}, "horovod cannot share a worker process"),
+])
+def test_an_interleaved_run_that_cannot_be_one_is_refused_naming_the_flag(settings, message):
+    settings = {"strategies": "ddp,dynamic", **settings}
+    settings["strategies"] = parse_strategies(settings["strategies"])
+    with pytest.raises(ValueError, match=message):
+        RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None, steps=1, warmup=0,
+                  batch_size=1, partition_bytes=1, credit_bytes=1, network="loopback", **settings)
+
+
 def test_rounds_below_one_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None, strategies=[],

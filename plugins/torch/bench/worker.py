@@ -13,6 +13,8 @@ what to do:
   size (``--calibrate`` picks the batch size from two of these).
 - ``mode="train"``: ``warmup`` then ``steps`` training steps of one strategy, with
   the per-step breakdown's timers (:class:`StepTimers`).
+- ``mode="interleave"``: several strategies in this one process, each on its own copy of
+  the model, alternating in blocks of ``steps`` measured steps (:func:`run_interleave`).
 
 Results go to ``<run_dir>/rank<R>.json`` (written atomically), rank 0's
 progress to ``<run_dir>/progress``. A worker dies with its parent
@@ -303,6 +305,9 @@ class StepTimers:
 
     def __init__(self, strat: Any, excluded: Any) -> None:
         self.phase = "other"
+        #: False while another strategy of an interleaved phase runs: torch's step hooks are global, and
+        #: its optimizer calls are not this one's
+        self.active = True
         self.apply: dict[str, float] = {}
         self.submit_s = 0.0
         self._excluded = excluded
@@ -335,11 +340,15 @@ class StepTimers:
         scheduler.submit = timed_submit  # this object only; removed by close() or the next watch()
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.active:
+            return
         if self._stack:
             self._stack[-1][1] = True  # the outer call wraps this one
         self._stack.append([time.perf_counter(), False, optimizer is self._excluded])
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.active or not self._stack:
+            return
         t0, wraps, excluded = self._stack.pop()
         if not wraps and not excluded:
             self.apply[self.phase] = self.apply.get(self.phase, 0.0) + time.perf_counter() - t0
@@ -490,28 +499,30 @@ def tuning(opt: Any) -> bool:
     return bool(changed) and stats["steps"] < changed[-1]["applies_from"] + TUNER_OPTIONS["settle"]
 
 
-def run_train(spec: dict, rank: int, progress: Progress) -> dict:
-    """``warmup`` + ``steps`` steps of one strategy, timed on every rank (see :class:`StepTimers`)."""
-    workload, model, x, y = _setup(spec, rank)
-    (sspec,) = parse_strategies(spec["strategy"])
-    timeline = spec.get("timeline")  # every rank: the follower's trace shows its skew at a step boundary
-    try:
-        strat = make_strategy(sspec, model, _opt_factory(workload), run_spec=spec,
-                              rank=rank, timeline=timeline)
-    except StrategyUnavailable as exc:
-        return {"skipped": str(exc)}
-    steps, warmup = spec["steps"], spec["warmup"]
-    starts: list[float] = []
-    phases: list[tuple[float, float, float]] = []
-    applies: list[dict[str, float]] = []
-    submits: list[float] = []
-    timers = StepTimers(strat, strat.optimizer if sspec.is_commsched else None)
+class _Trainer:
+    """One strategy on its own model in this worker: its step, its timers, and what its measured steps
+    recorded. ``mode="train"`` runs one; ``mode="interleave"`` runs several, in blocks (:func:`run_interleave`).
+    Raises :class:`StrategyUnavailable` where the strategy cannot run here."""
 
-    def step() -> None:
+    def __init__(self, spec: dict, rank: int, name: str, workload: Any, model: torch.nn.Module,
+                 x: torch.Tensor, y: torch.Tensor) -> None:
+        (self.sspec,) = parse_strategies(name)
+        self.workload, self.model, self.x, self.y = workload, model, x, y
+        self.timeline = spec.get("timeline")  # every rank: the follower's trace shows its skew at a step boundary
+        self.strat = make_strategy(self.sspec, model, _opt_factory(workload), run_spec=spec,
+                                   rank=rank, timeline=self.timeline)
+        self.timers = StepTimers(self.strat, self.strat.optimizer if self.sspec.is_commsched else None)
+        self.starts: list[float] = []
+        self.phases: list[tuple[float, float, float]] = []
+        self.applies: list[dict[str, float]] = []
+        self.submits: list[float] = []
+
+    def step(self) -> None:
+        strat, timers = self.strat, self.timers
         t0 = time.perf_counter()
         timers.phase = "forward"
         strat.zero_grad()
-        loss = workload.loss(strat.model(x), y)
+        loss = self.workload.loss(strat.model(self.x), self.y)
         t1 = time.perf_counter()
         timers.phase = "backward"
         loss.backward()
@@ -520,36 +531,41 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         strat.step()
         t3 = time.perf_counter()
         timers.phase = "other"
-        starts.append(t0)
-        phases.append((t1 - t0, t2 - t1, t3 - t2))
+        self.starts.append(t0)
+        self.phases.append((t1 - t0, t2 - t1, t3 - t2))
         apply, submit = timers.take()
-        applies.append(apply)
-        submits.append(submit)
+        self.applies.append(apply)
+        self.submits.append(submit)
 
-    try:
-        for i in range(warmup):
-            step()
-            progress("warmup", i + 1, warmup)
-        if sspec.kind == "auto":  # measure the settled choice, not the search: warm up while it tunes
+    def warm_up(self, count: int, progress: Progress) -> None:
+        """``count`` unmeasured steps; ``auto`` then steps on while it tunes (its settled choice is measured,
+        not its search)."""
+        for i in range(count):
+            self.step()
+            progress("warmup", i + 1, count)
+        if self.sspec.kind == "auto":
             extra = 0
-            while extra < AUTO_MAX_TUNING_STEPS and tuning(strat.optimizer):
-                step()
+            while extra < AUTO_MAX_TUNING_STEPS and tuning(self.strat.optimizer):
+                self.step()
                 extra += 1
                 progress("tuning", extra, AUTO_MAX_TUNING_STEPS)
-            timers.watch(getattr(strat.optimizer, "_scheduler", None))  # the settled one, not the first
+            self.timers.watch(getattr(self.strat.optimizer, "_scheduler", None))  # the settled one, not the first
+
+    def measure(self, steps: int, progress: Progress, label: str = "steps") -> dict:
+        """``steps`` measured steps after a synchronize and a barrier; the last one ends when all its
+        communication has landed. The result is one rank's of a phase (without ``timeline``)."""
+        strat, timers = self.strat, self.timers
         strat.synchronize()
         _barrier()
-        starts.clear()
-        phases.clear()
-        applies.clear()
-        submits.clear()
+        for records in (self.starts, self.phases, self.applies, self.submits):
+            records.clear()
         strat.mark_measured()
         pieces0, engine0, callback0 = _counters(strat)
         cpu0 = thread_cpu_s()
         window = CpuWindow()
         for i in range(steps):
-            step()
-            progress("steps", i + 1, steps)
+            self.step()
+            progress(label, i + 1, steps)
         timers.phase = "synchronize"
         t_sync = time.perf_counter()
         strat.synchronize()
@@ -560,41 +576,123 @@ def run_train(spec: dict, rank: int, progress: Progress) -> dict:
         pieces1, engine1, callback1 = _counters(strat)
         bubbles = strat.bubble_per_step()
         stats = strat.stats()
-        checksum = _checksum(model)
+        checksum = _checksum(self.model)
         _barrier()
+        starts, phases, applies = self.starts, self.phases, self.applies
+        commsched = self.sspec.is_commsched
+        # A step runs from its start to the next one's; the last one ends when all
+        # communication has landed (a commsched step() returns before that).
+        step_times = [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)]
+        apply_phases = ("forward", "backward", "step")
+        return {
+            "step_times_s": step_times,
+            "total_s": end - starts[0] if starts else 0.0,
+            "forward_s": [p[0] for p in phases],
+            "backward_s": [p[1] for p in phases],
+            "step_call_s": [p[2] for p in phases],
+            "bubble_s": bubbles,
+            "bubble_method": strat.bubble_method,
+            # the breakdown's raw material (core/bench/report.py: breakdown)
+            "apply_s": {ph: [a.get(ph, 0.0) for a in applies] for ph in apply_phases},
+            "final_sync_s": end - t_sync,
+            "final_sync_apply_s": sum(sync_apply.values()),
+            "submit_s": list(self.submits) if timers.scheduler is not None else None,
+            "sched_thread_cpu_s": (with_callbacks(thread_cpu_delta(cpu0, cpu1), callback0, callback1)
+                                   if commsched else None),
+            "sched_engine_cpu_s": ({k: engine1[k] - engine0.get(k, 0.0) for k in engine1}
+                                   if commsched and engine0 is not None and engine1 is not None else None),
+            "measured_pieces": (pieces1 - pieces0) if pieces0 is not None and pieces1 is not None else None,
+            "cpu": cpu,
+            "checksum": checksum,
+            "stats": stats,
+        }
+
+    def resume(self) -> None:
+        """Before this strategy's next block of an interleaved phase: its timers on again, and ``auto``'s tuner
+        told that the time since its last step was another strategy's (the period it scores runs from one
+        step's end to the next: the pause would be one slow step, and a drift it re-tunes for)."""
+        self.timers.active = True
+        if self.sspec.is_commsched and hasattr(self.strat.optimizer, "_last_step_end"):
+            self.strat.optimizer._last_step_end = None
+
+    def timeline_files(self, rank: int, world_size: int) -> list[str]:
+        """The trace this rank wrote (the plugin adds a rank suffix), if any."""
+        if not self.timeline:
+            return []
+        return [p for p in (rank_path(self.timeline, rank, world_size),) if os.path.exists(p)]
+
+    def close(self) -> None:
+        self.timers.close()
+        self.strat.close()
+
+
+def run_train(spec: dict, rank: int, progress: Progress) -> dict:
+    """``warmup`` + ``steps`` steps of one strategy, timed on every rank (see :class:`StepTimers`)."""
+    workload, model, x, y = _setup(spec, rank)
+    try:
+        trainer = _Trainer(spec, rank, spec["strategy"], workload, model, x, y)
+    except StrategyUnavailable as exc:
+        return {"skipped": str(exc)}
+    try:
+        trainer.warm_up(spec["warmup"], progress)
+        result = trainer.measure(spec["steps"], progress)
     finally:
-        timers.close()
-        strat.close()
-    timeline_files = []
-    if timeline:  # the plugin adds a rank suffix: report the file this rank wrote
-        timeline_files = [p for p in (rank_path(timeline, rank, spec["world_size"]),) if os.path.exists(p)]
-    # A step runs from its start to the next one's; the last one ends when all
-    # communication has landed (a commsched step() returns before that).
-    step_times = [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)]
-    apply_phases = ("forward", "backward", "step")
-    return {
-        "step_times_s": step_times,
-        "total_s": end - starts[0] if starts else 0.0,
-        "forward_s": [p[0] for p in phases],
-        "backward_s": [p[1] for p in phases],
-        "step_call_s": [p[2] for p in phases],
-        "bubble_s": bubbles,
-        "bubble_method": strat.bubble_method,
-        # the breakdown's raw material (core/bench/report.py: breakdown)
-        "apply_s": {ph: [a.get(ph, 0.0) for a in applies] for ph in apply_phases},
-        "final_sync_s": end - t_sync,
-        "final_sync_apply_s": sum(sync_apply.values()),
-        "submit_s": submits if timers.scheduler is not None else None,
-        "sched_thread_cpu_s": (with_callbacks(thread_cpu_delta(cpu0, cpu1), callback0, callback1)
-                               if sspec.is_commsched else None),
-        "sched_engine_cpu_s": ({k: engine1[k] - engine0.get(k, 0.0) for k in engine1}
-                               if sspec.is_commsched and engine0 is not None and engine1 is not None else None),
-        "measured_pieces": (pieces1 - pieces0) if pieces0 is not None and pieces1 is not None else None,
-        "cpu": cpu,
-        "checksum": checksum,
-        "stats": stats,
-        "timeline": timeline_files,
-    }
+        trainer.close()
+    result["timeline"] = trainer.timeline_files(rank, spec["world_size"])
+    return result
+
+
+def run_interleave(spec: dict, rank: int, progress: Progress) -> dict:
+    """Every strategy of ``spec["strategies"]`` in this one process, each on its own copy of the model (the
+    same initial weights and data), in ``spec["blocks"]`` blocks each: after every strategy's warm-up (and
+    ``auto``'s tuning), block b runs the strategies in row b of :func:`round_order` (a Williams design), each
+    for one unmeasured lead step (its model back in the caches after another's) and ``steps`` measured
+    steps (:meth:`_Trainer.measure`: synchronized and drained before and after, so no strategy's
+    communication runs into another's block). Two strategies' blocks are seconds apart, not a phase:
+    the host's slow stretches fall on both (``commsched bench --interleave``, docs/bench.md).
+
+    Returns ``{"interleaved": {strategy: [one result per block, with "position"] | {"skipped": why}}}``."""
+    from commsched.bench.runner import round_order
+
+    workload, model, x, y = _setup(spec, rank)
+    names, blocks, steps = spec["strategies"], spec["blocks"], spec["steps"]
+    out: dict[str, Any] = {}
+    trainers: list[tuple[str, _Trainer]] = []
+    try:
+        for n, name in enumerate(names):
+            if n:  # a fresh copy: the same initial weights as the first (every rank alike)
+                torch.manual_seed(spec["seed"])
+                model = workload.build()
+            try:
+                trainers.append((name, _Trainer(spec, rank, name, workload, model, x, y)))
+            except StrategyUnavailable as exc:
+                out[name] = {"skipped": str(exc)}
+        for name, trainer in trainers:
+            trainer.warm_up(spec["warmup"], progress)
+            trainer.strat.synchronize()
+            trainer.timers.active = False
+            out[name] = []
+        total = blocks * len(trainers) * steps
+        done = 0
+
+        def tick(_label: str, i: int, _n: int) -> None:
+            progress("interleaved blocks", done + i, total)
+
+        for block in range(blocks):
+            for position, which in enumerate(round_order(len(trainers), block)):
+                name, trainer = trainers[which]
+                trainer.resume()
+                trainer.step()  # the lead step: not measured
+                result = trainer.measure(steps, tick)
+                trainer.timers.active = False
+                done += steps
+                result["position"] = position
+                result["timeline"] = []
+                out[name].append(result)
+    finally:
+        for _, trainer in trainers:
+            trainer.close()
+    return {"interleaved": out}
 
 
 def start_rank(argv: list[str] | None, description: str) -> tuple[dict[str, Any], int]:
@@ -619,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_baseline(spec, rank, progress)
         elif spec["mode"] == "calibrate":
             result = run_calibrate(spec, rank, progress)
+        elif spec["mode"] == "interleave":
+            result = run_interleave(spec, rank, progress)
         else:
             result = run_train(spec, rank, progress)
     except Exception:  # noqa: BLE001 - any failure: print it, exit non-zero at once
