@@ -116,10 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "least steal is kept and the others' steal reported (rerun_steal). Default: never")
     parser.add_argument("--interleave", type=int, default=0, metavar="BLOCKS",
                         help="run every strategy in one phase, in the same worker processes (each on its own copy of "
-                             "the model), alternating in BLOCKS blocks of --steps measured steps each (one lead step "
-                             "before each block, communication drained after it); each block is reported as a round, "
-                             "paired like rounds. Seconds apart instead of a phase apart, two strategies see the "
-                             "same host (docs/bench.md, Interleaved blocks). Not with --rounds, --max-steal, "
+                             "the model), alternating in BLOCKS blocks of --steps measured steps each (an unmeasured "
+                             "lead step before, an unmeasured trail step after, then drained); each block is reported "
+                             "as a round, paired like rounds. Seconds apart instead of a phase apart, two strategies "
+                             "see the same host (docs/bench.md, Interleaved blocks). Not with --rounds, --max-steal, "
                              "--timeline or horovod. Default 0: one phase per strategy")
     parser.add_argument("--steal-retries", type=int, default=2,
                         help="with --max-steal: at most this many more runs of one phase (default 2)")

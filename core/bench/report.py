@@ -605,9 +605,11 @@ BREAKDOWN_HOW = {
     "optimizer_apply_s": "all optimizer step() calls of the step wherever they ran (global optimizer step "
                          "hooks, innermost calls, not commsched's own DistributedOptimizer.step wrapper)",
     "other_s": "step_s - forward_s - backward_s - step_call_s: the loop itself (progress file) and, in the "
-               "last step only, the final synchronize()",
+               "last step only, the final synchronize() (not under --interleave: its last step ends where the "
+               "trail step starts)",
     "final_sync_s": "wall time of synchronize() after the last measured step (commsched: the last step's "
-                    "communication still in flight, and its updates)",
+                    "communication still in flight, and its updates; --interleave: after the trail step, "
+                    "outside the measured steps)",
     "sched_cpu_s": "commsched: CPU seconds per step of its own threads (dispatch, complete, publish or "
                    "order; /proc/self/task/<tid>/schedstat over the measured steps / steps); the complete "
                    "thread's share includes the division of each reduced tensor by the world size, the dispatch "

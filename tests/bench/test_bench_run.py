@@ -176,6 +176,7 @@ def test_interleave_alternates_the_strategies_in_one_phase_and_pairs_the_blocks(
         assert [(x["round"], x["status"]) for x in entry["rounds"]] == [(1, "ok"), (2, "ok"), (3, "ok")]
         assert entry["measured_steps"] == 3 * 3  # every block's steps pooled
         assert all(len(x["step_times_s"]) == 3 for x in entry["rounds"])
+        assert all(r["final_sync_s"] >= 0 for r in entry["breakdown"]["per_rank"])  # the trail's drain
     # every block runs the three once, in a row of the Williams design
     for block in range(3):
         assert sorted(e["rounds"][block]["position"] for e in entries) == [1, 2, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import argparse
 import threading
+import time
 
 import pytest
 
@@ -261,3 +262,74 @@ def test_submit_is_timed_on_the_scheduler_in_use_after_auto_replaced_the_first()
     finally:
         timers.close()
     assert "submit" not in settled.__dict__
+
+
+def _cross_iteration_trainer(monkeypatch, drain_s):
+    """A worker's ``_Trainer`` around a stand-in strategy whose communication is ``drain_s`` of work
+    still in flight after each step (as under cross-iteration): the next forward waits for it, or a
+    synchronize() does. No process group: the barrier is a no-op."""
+    torch = pytest.importorskip("torch")
+    from commsched.plugins.torch.bench import worker
+    from commsched.plugins.torch.bench.worker import StepTimers, _Trainer
+
+    monkeypatch.setattr(worker, "_barrier", lambda: None)
+
+    class Strat:
+        bubble_method = "stand-in"
+
+        def __init__(self, model):
+            self.model, self.optimizer, self.in_flight, self.steps = model, None, False, 0
+
+        def _land(self):
+            if self.in_flight:
+                time.sleep(drain_s)
+                self.in_flight = False
+
+        def zero_grad(self):
+            self._land()  # the next forward needs the last step's communication
+
+        def step(self):
+            self.in_flight, self.steps = True, self.steps + 1
+
+        synchronize = _land
+
+        def mark_measured(self):
+            self.first = self.steps
+
+        def bubble_per_step(self):
+            return [0.0] * (self.steps - self.first)
+
+        def stats(self):
+            return {}
+
+    model = torch.nn.Linear(4, 2)
+    trainer = object.__new__(_Trainer)
+    trainer.sspec = type("Spec", (), {"is_commsched": False, "kind": "ddp"})()
+    trainer.workload = type("W", (), {"loss": staticmethod(lambda out, y: ((out - y) ** 2).mean())})()
+    trainer.model, trainer.x, trainer.y = model, torch.ones(3, 4), torch.zeros(3, 2)
+    trainer.strat = Strat(model)
+    trainer.timers = StepTimers(trainer.strat, None)
+    trainer.starts, trainer.phases, trainer.applies, trainer.submits = [], [], [], []
+    return trainer
+
+
+def test_an_interleaved_turn_measures_steady_steps_and_a_phase_its_ends(monkeypatch):
+    """Under cross-iteration a phase's first measured step waits on nothing and its last ends when its
+    communication has landed; an interleaved turn (``steady``) goes on from the lead step and ends its last
+    step where the trail step starts: every one of its steps waits once for its predecessor's communication."""
+    drain = 0.05
+    trainer = _cross_iteration_trainer(monkeypatch, drain)
+    try:
+        trainer.step()  # warm-up
+        phase = trainer.measure(3, lambda *a: None)
+        assert phase["step_times_s"][0] < drain  # nothing in flight at its start
+        assert phase["step_times_s"][-1] >= drain  # its own communication, drained
+        trainer.step()  # the lead step of a turn
+        turn = trainer.measure(3, lambda *a: None, steady=True)
+        assert len(turn["step_times_s"]) == 3 and len(turn["forward_s"]) == 3 and len(turn["bubble_s"]) == 3
+        assert all(t >= drain for t in turn["step_times_s"])  # each waited for the step before
+        assert turn["total_s"] == pytest.approx(sum(turn["step_times_s"]))
+        assert turn["final_sync_s"] >= drain  # the trail's communication, drained after the turn
+        assert not trainer.strat.in_flight
+    finally:
+        trainer.timers.close()

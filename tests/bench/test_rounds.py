@@ -197,18 +197,26 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def test_the_runner_interleaves_rounds_in_rotated_order(tmp_path, monkeypatch):
-    (tmp_path / "fake_rounds_worker.py").write_text(_WORKER)
+def _fake_runner(tmp_path, monkeypatch, module, source, strategies, workers=1, unavailable=None, **config):
+    """A Runner on ``workers`` loopback nodes whose worker is the stand-in ``source`` (module ``module``);
+    returns it, its work directory and its log."""
+    (tmp_path / f"{module}.py").write_text(source)
     monkeypatch.chdir(tmp_path)
-    config = RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None,
-                       strategies=parse_strategies("ddp,fifo,dynamic"), steps=1, warmup=0, batch_size=1,
-                       partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback", phase_timeout_s=60,
-                       rounds=2)
+    config = RunConfig(workload="tiny", workers=workers, nodes=workers, bandwidth=None, intra_bandwidth=None,
+                       strategies=parse_strategies(strategies), steps=config.pop("steps", 1), warmup=0,
+                       batch_size=1, partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback",
+                       phase_timeout_s=60, **config)
     work = tmp_path / "work"
     work.mkdir()
     log = io.StringIO()
-    runner = Runner(config, LoopbackCluster(1), str(work), worker_module="fake_rounds_worker", log=log,
-                    unavailable=lambda spec: "not here" if spec.name == "fifo" else None)
+    runner = Runner(config, LoopbackCluster(workers), str(work), worker_module=module, log=log,
+                    **({} if unavailable is None else {"unavailable": unavailable}))
+    return runner, work, log
+
+
+def test_the_runner_interleaves_rounds_in_rotated_order(tmp_path, monkeypatch):
+    runner, work, log = _fake_runner(tmp_path, monkeypatch, "fake_rounds_worker", _WORKER, "ddp,fifo,dynamic",
+                                     unavailable=lambda spec: "not here" if spec.name == "fifo" else None, rounds=2)
     assert runner.total_phases == 1 + 3 * 2
     baseline, phases = runner.run_all()
     assert baseline.status == "ok"
@@ -348,17 +356,9 @@ _INTERLEAVE_WORKER = textwrap.dedent("""
 
 
 def test_interleave_runs_every_strategy_in_one_phase_and_reports_each_block_as_a_round(tmp_path, monkeypatch):
-    (tmp_path / "fake_interleave_worker.py").write_text(_INTERLEAVE_WORKER)
-    monkeypatch.chdir(tmp_path)
-    config = RunConfig(workload="tiny", workers=2, nodes=2, bandwidth=None, intra_bandwidth=None,
-                       strategies=parse_strategies("ddp,fifo,dynamic,static"), steps=2, warmup=0, batch_size=1,
-                       partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback", phase_timeout_s=60,
-                       interleave=3)
-    work = tmp_path / "work"
-    work.mkdir()
-    log = io.StringIO()
-    runner = Runner(config, LoopbackCluster(2), str(work), worker_module="fake_interleave_worker", log=log,
-                    unavailable=lambda spec: "not here" if spec.name == "fifo" else None)
+    runner, work, log = _fake_runner(tmp_path, monkeypatch, "fake_interleave_worker", _INTERLEAVE_WORKER,
+                                     "ddp,fifo,dynamic,static", workers=2, steps=2, interleave=3,
+                                     unavailable=lambda spec: "not here" if spec.name == "fifo" else None)
     assert runner.total_phases == 2  # the baseline and one interleaved phase
     seen = []
     baseline, phases = runner.run_all(on_phase=seen.append)
@@ -379,18 +379,10 @@ def test_interleave_runs_every_strategy_in_one_phase_and_reports_each_block_as_a
 
 
 def test_an_interleaved_phase_that_fails_fails_every_strategy_in_it(tmp_path, monkeypatch):
-    (tmp_path / "fake_failing_worker.py").write_text(
-        "import json, sys\nspec = json.load(open(sys.argv[2]))\n"
-        "sys.exit(3 if spec['mode'] == 'interleave' else 0)\n")
-    monkeypatch.chdir(tmp_path)
-    config = RunConfig(workload="tiny", workers=1, nodes=1, bandwidth=None, intra_bandwidth=None,
-                       strategies=parse_strategies("ddp,dynamic"), steps=1, warmup=0, batch_size=1,
-                       partition_bytes=1 << 20, credit_bytes=4 << 20, network="loopback", phase_timeout_s=60,
-                       interleave=2)
-    work = tmp_path / "work"
-    work.mkdir()
-    _, phases = Runner(config, LoopbackCluster(1), str(work), worker_module="fake_failing_worker",
-                       log=io.StringIO()).run_all()
+    runner, _, _ = _fake_runner(tmp_path, monkeypatch, "fake_failing_worker",
+                                "import json, sys\nspec = json.load(open(sys.argv[2]))\n"
+                                "sys.exit(3 if spec['mode'] == 'interleave' else 0)\n", "ddp,dynamic", interleave=2)
+    _, phases = runner.run_all()
     assert [[(p.name, p.status) for p in per] for per in phases] == [[("ddp", "failed")], [("dynamic", "failed")]]
     assert all(per[0].reason for per in phases)
 

@@ -551,12 +551,18 @@ class _Trainer:
                 progress("tuning", extra, AUTO_MAX_TUNING_STEPS)
             self.timers.watch(getattr(self.strat.optimizer, "_scheduler", None))  # the settled one, not the first
 
-    def measure(self, steps: int, progress: Progress, label: str = "steps") -> dict:
-        """``steps`` measured steps after a synchronize and a barrier; the last one ends when all its
-        communication has landed. The result is one rank's of a phase (without ``timeline``)."""
+    def measure(self, steps: int, progress: Progress, label: str = "steps", steady: bool = False) -> dict:
+        """``steps`` measured steps; the result is one rank's of a phase (without ``timeline``). As a phase
+        measures them (``steady`` False): after a synchronize and a barrier, the last one ending when all its
+        communication has landed. ``steady`` (an interleaved turn, after its lead step): on from the lead step,
+        its communication still in flight, and the last one ends where one more step (the trail, not measured)
+        starts; then that is drained. So every measured step is a steady one: under cross-iteration a block's
+        first step would otherwise wait on nothing and its last overlap nothing, which a short block's median
+        does not hide."""
         strat, timers = self.strat, self.timers
-        strat.synchronize()
-        _barrier()
+        if not steady:
+            strat.synchronize()
+            _barrier()
         for records in (self.starts, self.phases, self.applies, self.submits):
             records.clear()
         strat.mark_measured()
@@ -566,22 +572,35 @@ class _Trainer:
         for i in range(steps):
             self.step()
             progress(label, i + 1, steps)
+        if steady:
+            cpu = window.stop()
+            cpu1 = thread_cpu_s()
+            pieces1, engine1, callback1 = _counters(strat)
+            self.step()  # the trail: its start ends the last measured step
+            end = self.starts.pop()
+            for records in (self.phases, self.applies, self.submits):
+                records.pop()
         timers.phase = "synchronize"
         t_sync = time.perf_counter()
         strat.synchronize()
-        end = time.perf_counter()
-        cpu = window.stop()
+        synced = time.perf_counter()
+        if not steady:
+            end = synced
+            cpu = window.stop()
         sync_apply, _ = timers.take()
-        cpu1 = thread_cpu_s()
-        pieces1, engine1, callback1 = _counters(strat)
+        if not steady:
+            cpu1 = thread_cpu_s()
+            pieces1, engine1, callback1 = _counters(strat)
         bubbles = strat.bubble_per_step()
+        if steady and bubbles:
+            bubbles = bubbles[:-1]  # the trail's
         stats = strat.stats()
         checksum = _checksum(self.model)
         _barrier()
         starts, phases, applies = self.starts, self.phases, self.applies
         commsched = self.sspec.is_commsched
         # A step runs from its start to the next one's; the last one ends when all
-        # communication has landed (a commsched step() returns before that).
+        # communication has landed (a commsched step() returns before that), or steady, where the trail starts.
         step_times = [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)]
         apply_phases = ("forward", "backward", "step")
         return {
@@ -594,7 +613,7 @@ class _Trainer:
             "bubble_method": strat.bubble_method,
             # the breakdown's raw material (core/bench/report.py: breakdown)
             "apply_s": {ph: [a.get(ph, 0.0) for a in applies] for ph in apply_phases},
-            "final_sync_s": end - t_sync,
+            "final_sync_s": synced - t_sync,  # steady: the trail step's drain, after the measured steps
             "final_sync_apply_s": sum(sync_apply.values()),
             "submit_s": list(self.submits) if timers.scheduler is not None else None,
             "sched_thread_cpu_s": (with_callbacks(thread_cpu_delta(cpu0, cpu1), callback0, callback1)
@@ -646,9 +665,9 @@ def run_interleave(spec: dict, rank: int, progress: Progress) -> dict:
     """Every strategy of ``spec["strategies"]`` in this one process, each on its own copy of the model (the
     same initial weights and data), in ``spec["blocks"]`` blocks each: after every strategy's warm-up (and
     ``auto``'s tuning), block b runs the strategies in row b of :func:`round_order` (a Williams design), each
-    for one unmeasured lead step (its model back in the caches after another's) and ``steps`` measured
-    steps (:meth:`_Trainer.measure`: synchronized and drained before and after, so no strategy's
-    communication runs into another's block). Two strategies' blocks are seconds apart, not a phase:
+    for one unmeasured lead step (its model back in the caches after another's), ``steps`` measured steps and
+    one unmeasured trail step whose start ends the last (:meth:`_Trainer.measure`, ``steady``), then drained, so
+    no strategy's communication runs into another's turn. Two strategies' blocks are seconds apart, not a phase:
     the host's slow stretches fall on both (``commsched bench --interleave``, docs/bench.md).
 
     Returns ``{"interleaved": {strategy: [one result per block, with "position"] | {"skipped": why}}}``."""
@@ -683,7 +702,7 @@ def run_interleave(spec: dict, rank: int, progress: Progress) -> dict:
                 name, trainer = trainers[which]
                 trainer.resume()
                 trainer.step()  # the lead step: not measured
-                result = trainer.measure(steps, tick)
+                result = trainer.measure(steps, tick, steady=True)
                 trainer.timers.active = False
                 done += steps
                 result["position"] = position
