@@ -181,13 +181,17 @@ def test_steal_is_the_share_of_cpu_time_given_to_other_guests():
     assert steal_fraction(CpuTimes(1, 5, 0), CpuTimes(1, 5, 0)) is None
 
 
-# A stand-in worker: records which strategy ran, in which order, and reports one step time.
-_WORKER = textwrap.dedent("""
+# What every stand-in worker does first: read its spec (``spec``) and rank (``a.rank``) as the runner passes them.
+_READ_SPEC = textwrap.dedent("""
     import argparse, json, os
     p = argparse.ArgumentParser()
     p.add_argument("--spec"); p.add_argument("--rank", type=int)
     a = p.parse_args()
     spec = json.load(open(a.spec))
+""")
+
+# A stand-in worker: records which strategy ran, in which order, and reports one step time.
+_WORKER = _READ_SPEC + textwrap.dedent("""
     with open(os.path.join(os.path.dirname(spec["run_dir"]), "order.txt"), "a") as f:
         f.write(f"{spec['strategy']}\\n")
     with open(os.path.join(os.path.dirname(spec["run_dir"]), "baseline.txt"), "a") as f:
@@ -230,12 +234,7 @@ def test_the_runner_interleaves_rounds_in_rotated_order(tmp_path, monkeypatch):
     assert "[3/7] fifo (round 1/2): skipped: not here" in log.getvalue()
 
 
-_STEAL_WORKER = textwrap.dedent("""
-    import argparse, json, os
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec"); p.add_argument("--rank", type=int)
-    a = p.parse_args()
-    spec = json.load(open(a.spec))
+_STEAL_WORKER = _READ_SPEC + textwrap.dedent("""
     work = os.path.dirname(spec["run_dir"])
     with open(os.path.join(work, "order.txt"), "a") as f:
         f.write(f"{spec['strategy']}\\n")
@@ -333,12 +332,7 @@ def test_every_strategy_phase_is_told_the_baseline_s_compute(tmp_path, monkeypat
         assert runner.baseline_compute_s == (0.25 if summary else None)
 
 
-_INTERLEAVE_WORKER = textwrap.dedent("""
-    import argparse, json, os
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec"); p.add_argument("--rank", type=int)
-    a = p.parse_args()
-    spec = json.load(open(a.spec))
+_INTERLEAVE_WORKER = _READ_SPEC + textwrap.dedent("""
     with open(os.path.join(os.path.dirname(spec["run_dir"]), "launches.txt"), "a") as f:
         f.write(f"{spec['mode']}:{','.join(spec['strategies'] or [])}\\n")
     out = {"ok": True}

@@ -686,7 +686,10 @@ def run_interleave(spec: dict, rank: int, progress: Progress) -> dict:
                 trainers.append((name, _Trainer(spec, rank, name, workload, model, x, y)))
             except StrategyUnavailable as exc:
                 out[name] = {"skipped": str(exc)}
+            else:
+                trainers[-1][1].timers.active = False  # on during its own turns only
         for name, trainer in trainers:
+            trainer.timers.active = True
             trainer.warm_up(spec["warmup"], progress)
             trainer.strat.synchronize()
             trainer.timers.active = False
