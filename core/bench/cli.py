@@ -119,8 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the model), alternating in BLOCKS blocks of --steps measured steps each (an unmeasured "
                              "lead step before, an unmeasured trail step after, then drained); each block is reported "
                              "as a round, paired like rounds. Seconds apart instead of a phase apart, two strategies "
-                             "see the same host (docs/bench.md, Interleaved blocks). Not with --rounds, --max-steal, "
-                             "--timeline or horovod. Default 0: one phase per strategy")
+                             "see the same host (docs/bench.md, Interleaved blocks); --timeout is per strategy. Not "
+                             "with --rounds, --max-steal, --timeline or horovod. Default 0: one phase per strategy")
     parser.add_argument("--steal-retries", type=int, default=2,
                         help="with --max-steal: at most this many more runs of one phase (default 2)")
 

@@ -227,8 +227,9 @@ class Runner:
 
     def run_phase(self, index: int, name: str, mode: str,
                   strategy: str | None = None, round_index: int = 0,
-                  strategies: list[str] | None = None) -> PhaseResult:
-        """Launch every rank for one phase, wait, and read their result files."""
+                  strategies: list[str] | None = None, timeout_s: float | None = None) -> PhaseResult:
+        """Launch every rank for one phase, wait (``timeout_s``, default ``config.phase_timeout_s``), and read
+        their result files."""
         run_dir = os.path.join(self.work_dir, f"{index:02d}_{file_safe(name)}")
         os.makedirs(run_dir)
         port = NETNS_MASTER_PORT if isinstance(self.cluster, NetnsCluster) \
@@ -254,7 +255,7 @@ class Runner:
 
             tick()
             try:
-                WorkerGroup.start(commands, envs, logs).wait(self.config.phase_timeout_s, tick)
+                WorkerGroup.start(commands, envs, logs).wait(timeout_s or self.config.phase_timeout_s, tick)
             except WorkerError as exc:
                 bar.note(f"{head}: FAILED")
                 return PhaseResult(name, "failed", reason=str(exc))
@@ -382,7 +383,9 @@ class Runner:
         if not runnable:
             return results
         names = [specs[which].name for which in runnable]
-        phase = self.run_phase(index, "interleaved", "interleave", strategies=names)
+        # --timeout is what one strategy's phase may take: this phase holds them all
+        phase = self.run_phase(index, "interleaved", "interleave", strategies=names,
+                               timeout_s=self.config.phase_timeout_s * len(names))
         for which, name in zip(runnable, names, strict=True):
             if phase.status != "ok":
                 results[which] = [PhaseResult(name, phase.status, reason=phase.reason)]

@@ -372,6 +372,24 @@ def test_interleave_runs_every_strategy_in_one_phase_and_reports_each_block_as_a
     assert "fifo: skipped: not here" in log.getvalue() and "interleaved: done" in log.getvalue()
 
 
+def test_an_interleaved_phase_may_take_the_timeout_of_every_strategy_in_it(tmp_path, monkeypatch):
+    """``--timeout`` is what one strategy's phase may take; the interleaved phase holds them all."""
+    from commsched.bench import runner as bench_runner
+
+    runner, _, _ = _fake_runner(tmp_path, monkeypatch, "fake_interleave_worker", _INTERLEAVE_WORKER,
+                                "ddp,dynamic,static", interleave=2)
+    waits = []
+    wait = bench_runner.WorkerGroup.wait
+
+    def timed_wait(group, timeout, *args, **kwargs):
+        waits.append(timeout)
+        return wait(group, timeout, *args, **kwargs)
+
+    monkeypatch.setattr(bench_runner.WorkerGroup, "wait", timed_wait)
+    runner.run_all()
+    assert waits == [60, 3 * 60]  # the baseline, then the three strategies' phase
+
+
 def test_an_interleaved_phase_that_fails_fails_every_strategy_in_it(tmp_path, monkeypatch):
     runner, _, _ = _fake_runner(tmp_path, monkeypatch, "fake_failing_worker",
                                 "import json, sys\nspec = json.load(open(sys.argv[2]))\n"
