@@ -18,14 +18,19 @@ as much as the schedule (a 0.75x round of `planned` on gpt2 ran with 12.5 % of t
 other two rounds with under 1 %). The ratios keep it; the mark says which to doubt.
 
 This is how the targets of the form "commsched's best >= 0.99x the best of ddp, ddp:1, ddp:4,
-horovod" are read off one interleaved run (docs/bench.md, Rounds).
+horovod" are read off one interleaved run (docs/bench.md, Rounds). With 5 or more rounds (``--interleave``
+blocks, typically) the line also gives a 90 % percentile-bootstrap interval of the median paired ratio, and
+``--target X`` says for each strategy whether it is shown at or above X (the interval), shown below it, or
+cannot be told from X by this run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from commsched.bench.report import median
@@ -35,6 +40,38 @@ DEFAULT_PEERS = ("ddp", "ddp:1", "ddp:4", "horovod")
 
 #: the share of the machine's CPU its hypervisor may take in a round before the round's ratio is marked
 STOLEN = 0.05
+
+
+#: The bootstrap interval of a median paired ratio: its coverage, how many resamples, and the fewest rounds it
+#: is given for (with 3 or 4 rounds a resampled median takes only the values already seen).
+INTERVAL = 0.90
+RESAMPLES = 2000
+MIN_ROUNDS_FOR_INTERVAL = 5
+
+
+def interval(ratios: Sequence[float], coverage: float = INTERVAL, resamples: int = RESAMPLES,
+             seed: int = 0) -> tuple[float, float] | None:
+    """A percentile-bootstrap interval of the median of ``ratios`` (rounds resampled with replacement; a
+    seeded generator, so a report always reads the same), or None with fewer than
+    :data:`MIN_ROUNDS_FOR_INTERVAL` ratios. It says how far the host's noise leaves the median: a target
+    inside it is neither shown met nor shown missed by that run."""
+    if len(ratios) < MIN_ROUNDS_FOR_INTERVAL:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(median([rng.choice(ratios) for _ in ratios]) for _ in range(resamples))
+    tail = (1 - coverage) / 2
+    return meds[int(tail * (resamples - 1))], meds[int((1 - tail) * (resamples - 1))]
+
+
+def verdict(span: tuple[float, float] | None, value: float, target: float) -> str:
+    """``met`` where the interval (or, without one, the median) is at or above ``target``, ``missed`` where it
+    is below, ``cannot tell`` where the interval holds the target."""
+    low, high = span if span is not None else (value, value)
+    if low >= target:
+        return "met"
+    if high < target:
+        return "missed"
+    return "cannot tell"
 
 
 #: What a round's step is, for pairing: the round's median step (the report's), or the mean of its steps.
@@ -86,6 +123,7 @@ def paired(report: dict[str, Any], peers: tuple[str, ...] = DEFAULT_PEERS, by: s
         vs_fastest = [min(rounds[p][r] for p in present) / steps[r] for r in each]
         out["strategies"][name] = {
             "vs_best_peer": median(vs_best), "vs_best_peer_rounds": vs_best,
+            "vs_best_peer_interval": interval(vs_best),
             "vs_fastest_peer_each_round": median(vs_fastest), "rounds": len(common),
             "round_numbers": common, "stolen_rounds": [r for r in common if stolen(name, r)]}
     return out
@@ -98,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the strategies to beat, comma-separated (default {','.join(DEFAULT_PEERS)})")
     parser.add_argument("--by", choices=BY, default="median",
                         help="pair each round's median step (default) or the mean of its steps (throughput)")
+    parser.add_argument("--target", type=float, default=None, metavar="X",
+                        help="also say whether each strategy is shown at least X times the best peer: met (the "
+                             f"{INTERVAL:.0%} bootstrap interval of its median paired ratio is at or above X), missed "
+                             "(below), or cannot tell (the interval holds X)")
     args = parser.parse_args(argv)
     try:
         with open(args.report) as fh:
@@ -114,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         rounds = ", ".join(f"{v:.3f}" + ("*" if rn in r["stolen_rounds"] else "")
                            for rn, v in zip(r["round_numbers"], r["vs_best_peer_rounds"], strict=True))
         marked = marked or bool(r["stolen_rounds"])
-        print(f"  {name}: {r['vs_best_peer']:.3f}x {result['best_peer']} (rounds {rounds}); "
-              f"{r['vs_fastest_peer_each_round']:.3f}x the fastest peer of each round")
+        span = r["vs_best_peer_interval"]
+        within = f", {INTERVAL:.0%} interval {span[0]:.3f}-{span[1]:.3f}" if span is not None else ""
+        target = "" if args.target is None else \
+            f"; >= {args.target:g}x: {verdict(span, r['vs_best_peer'], args.target)}"
+        print(f"  {name}: {r['vs_best_peer']:.3f}x {result['best_peer']} (rounds {rounds}{within}); "
+              f"{r['vs_fastest_peer_each_round']:.3f}x the fastest peer of each round{target}")
     if marked:
         print(f"  * the hypervisor took more than {STOLEN:.0%} of the CPU in that round (cpu_steal of the strategy "
               f"or of {result['best_peer']}): a ratio of the host as much as of the schedule")

@@ -492,3 +492,30 @@ def test_paired_by_mean_reads_throughput_where_a_median_falls_in_one_cluster_of_
     with pytest.raises(ValueError, match="'spill'.*no step_times_s.*by median"):
         paired(report, ("ddp",), by="mean")
     assert paired(report, ("ddp",))["strategies"]["spill"]["vs_best_peer"] == pytest.approx(0.8 / 0.6)
+
+
+def test_paired_gives_a_bootstrap_interval_of_the_median_ratio_and_reads_a_target_against_it(tmp_path, capsys):
+    from commsched.bench import paired
+
+    assert paired.interval([1.0, 1.1, 0.9]) is None  # too few rounds to resample
+    tight = [1.10, 1.11, 1.12, 1.09, 1.10, 1.11, 1.10, 1.12]
+    wide = [0.80, 1.25, 0.95, 1.10, 0.85, 1.20, 1.00, 0.90]
+    low, high = paired.interval(tight)
+    assert 1.09 <= low <= paired.median(tight) <= high <= 1.12
+    wlow, whigh = paired.interval(wide)
+    assert whigh - wlow > 4 * (high - low)  # the host's noise widens it
+    assert paired.interval(wide) == (wlow, whigh)  # seeded: the same report reads the same
+    assert paired.verdict((low, high), 1.1, 1.05) == "met"
+    assert paired.verdict((low, high), 1.1, 1.2) == "missed"
+    assert paired.verdict((wlow, whigh), 1.0, 0.99) == "cannot tell"
+    assert paired.verdict(None, 1.0, 0.99) == "met"  # no interval: the median alone
+    # eight blocks of an interleaved run: the line gives the interval and the verdict
+    ddp = [_phase("ddp", [1.0] * 4, r) for r in range(8)]
+    ours = [_phase("fifo", [1.0 / v] * 4, r) for r, v in enumerate(wide)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_report([ddp, ours])))
+    assert paired.main([str(path), "--peers", "ddp", "--target", "0.99"]) == 0
+    out = capsys.readouterr().out
+    assert f"90% interval {wlow:.3f}-{whigh:.3f}" in out and ">= 0.99x: cannot tell" in out
+    assert paired.main([str(path), "--peers", "ddp", "--target", "0.5"]) == 0
+    assert ">= 0.5x: met" in capsys.readouterr().out
