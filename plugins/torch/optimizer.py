@@ -1708,6 +1708,13 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         self._scheduler.synchronize(timeout)
         self._ready(self._params, "synchronize")
 
+    def exclude_pause(self) -> None:
+        """Call after a pause in training (an evaluation, a checkpoint, another model's steps), before the next
+        step: ``ordering="auto"``'s tuner scores a setting by the period from one step's end to the next, and
+        the time since the last step is not one (it would read as one slow step, or as a drift to re-tune for).
+        The next step's period is not scored; nothing else changes. A no-op for the other orderings."""
+        self._last_step_end = None
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, without communication (like DDP's ``no_sync``).

@@ -57,6 +57,32 @@ def test_auto_tunes_at_agreed_steps_logs_each_decision_and_reports_its_history(f
     assert commsched.SchedulerConfig().ordering == "dynamic"  # auto is not the default (docs/tuning.md)
 
 
+def test_a_pause_the_user_excludes_is_not_scored_as_a_step_period(fast_tuner):
+    """``exclude_pause()``: the time between the last step and the next (an evaluation, another model's steps)
+    is not one of the periods ``auto``'s tuner scores; without it, it is."""
+    import time
+
+    model = model_of()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="auto", timeout_s=30))
+    try:
+        train(opt, model, 40)
+        periods = []
+        observe = opt._tuner.observe
+        opt._tuner.observe = lambda step, period: (periods.append(period), observe(step, period))
+        pause = 0.3
+        time.sleep(pause)
+        train(opt, model, 2)  # not excluded: the pause is the first period
+        assert len(periods) == 2 and periods[0] >= pause > periods[1]
+        periods.clear()
+        time.sleep(pause)
+        opt.exclude_pause()
+        train(opt, model, 3)
+        assert len(periods) == 2 and all(p < pause for p in periods)  # the first step after the pause: not scored
+    finally:
+        opt.close()
+
+
 def test_after_a_switch_the_schedulers_orders_and_issue_times_are_numbered_by_optimizer_step(fast_tuner,
                                                                                               monkeypatch):
     # the bench pairs rank 0's decisions with the followers' issues step by step from these two (docs/bench.md,

@@ -572,10 +572,11 @@ class _Trainer:
         for i in range(steps):
             self.step()
             progress(label, i + 1, steps)
+        def sample() -> tuple:  # the CPU and the counters, at the end of the measured steps
+            return window.stop(), thread_cpu_s(), _counters(strat)
+
         if steady:
-            cpu = window.stop()
-            cpu1 = thread_cpu_s()
-            pieces1, engine1, callback1 = _counters(strat)
+            cpu, cpu1, (pieces1, engine1, callback1) = sample()
             self.step()  # the trail: its start ends the last measured step
             end = self.starts.pop()
             for records in (self.phases, self.applies, self.submits):
@@ -584,13 +585,10 @@ class _Trainer:
         t_sync = time.perf_counter()
         strat.synchronize()
         synced = time.perf_counter()
-        if not steady:
-            end = synced
-            cpu = window.stop()
         sync_apply, _ = timers.take()
         if not steady:
-            cpu1 = thread_cpu_s()
-            pieces1, engine1, callback1 = _counters(strat)
+            end = synced
+            cpu, cpu1, (pieces1, engine1, callback1) = sample()
         bubbles = strat.bubble_per_step()
         if steady and bubbles:
             bubbles = bubbles[:-1]  # the trail's
@@ -628,11 +626,10 @@ class _Trainer:
 
     def resume(self) -> None:
         """Before this strategy's next block of an interleaved phase: its timers on again, and ``auto``'s tuner
-        told that the time since its last step was another strategy's (the period it scores runs from one
-        step's end to the next: the pause would be one slow step, and a drift it re-tunes for)."""
+        told that the time since its last step was another strategy's (``exclude_pause``)."""
         self.timers.active = True
-        if self.sspec.is_commsched and hasattr(self.strat.optimizer, "_last_step_end"):
-            self.strat.optimizer._last_step_end = None
+        if self.sspec.is_commsched:
+            self.strat.optimizer.exclude_pause()
 
     def timeline_files(self, rank: int, world_size: int) -> list[str]:
         """The trace this rank wrote (the plugin adds a rank suffix), if any."""
