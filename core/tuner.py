@@ -69,7 +69,13 @@ their noise (an extension then runs between the leader and it): compute-heavy, 2
 one search sample fell in a slow moment and it never raced, and ``auto`` kept ``dynamic``, which ran 0.88x
 ``ddp:1``. In the study below (4 starts, one 3 % ahead, the machine wandering 6 %), favouring the best
 start cut the kept setting's mean excess from 0.71 % to 0.18 % and favouring another start raised it to
-0.95 % (docs/tuning.md). Over 300 seeded runs of 9 settings within
+0.95 % (docs/tuning.md). Where the model picks nothing, ``safe`` settings (the plugin's: torch's reducer,
+DDP's own engine) stand in: the one of them with the lowest search score is favoured in that race, so
+commsched's own path replaces DDP's engine only where it measured faster. ``favour_z``: the favoured
+setting is beaten only by more than ``favour_z`` standard errors of the difference of the two race
+medians (``favour_z x sqrt(s_f^2 + s_l^2)``, ``s`` each one's :func:`spread`), not by more than the larger
+spread (None, the default): a one-sided test at about 90 % for the plugin's 1.28 (docs/tuning.md, "DDP's
+engine as the safe choice"). Over 300 seeded runs of 9 settings within
 12 % of each other under a wandering machine speed (``scripts/tuner_study.py``), 2 race samples
 each cut the kept setting's mean excess over the best from 2.25 % to 1.63 % and the kept score's
 bias from -1.96 % to -0.55 %, for 3.6 more samples; extending unresolved races cut the excess
@@ -480,6 +486,8 @@ class _Race:
     periods: dict[Settings, list[float]] = field(default_factory=dict)
     block: list[Settings] = field(default_factory=list)  # one round of the race, repeated by an extension
     extensions: int = 0
+    #: the setting kept unless beaten beyond the noise: the model's pick, else the best-scored safe setting
+    favoured: Optional[Settings] = None
 
 
 class Tuner:
@@ -495,7 +503,8 @@ class Tuner:
                  max_samples: int = 20, min_gain: float = 0.02, patience: int = 4, drift: float = 0.05,
                  check_every: int = 50, seed: int = 0, remeasure_samples: int = 3, race_samples: int = 0,
                  race_margin: float = 0.05, race_extend: bool = False, race_width: int = 2,
-                 favoured: Settings | None = None) -> None:
+                 favoured: Settings | None = None, safe: tuple[Settings, ...] = (),
+                 favour_z: float | None = None) -> None:
         if (sample_steps < 2 or settle < 0 or max_samples < 1 or patience < 1 or check_every < sample_steps
                 or remeasure_samples < 1):
             raise ValueError("Tuner: sample_steps >= 2, settle >= 0, max_samples >= 1, patience >= 1, "
@@ -509,6 +518,10 @@ class Tuner:
                              f"takes up to race_width ({race_width}) x race_samples of the max_samples, so 0 <= "
                              f"race_samples < max_samples / {race_width} is required (0 turns the race off), and "
                              f"race_margin={race_margin} must be >= 0")
+        if favour_z is not None and (isinstance(favour_z, bool) or not isinstance(favour_z, (int, float))
+                                     or not 0 < favour_z < 10):
+            raise ValueError(f"Tuner: favour_z={favour_z!r} must be a number of standard errors in (0, 10), e.g. "
+                             "1.28 (one-sided 90 %), or None (the larger of the two spreads)")
         self.space = space or SearchSpace()
         starts: list[Settings] = []
         for s in (start, *extra_starts):
@@ -538,6 +551,12 @@ class Tuner:
         #: search samples scored, and kept there unless another setting's race median beats its own by more
         #: than their noise (module docstring); None: every setting alike
         self.favoured = favoured
+        #: where nothing is favoured, the one of these with the lowest search score is, in the final race (the
+        #: plugin's: torch's reducer, DDP's engine: commsched's own path must measure faster to replace it)
+        self.safe = tuple(safe)
+        #: the favoured setting is beaten only by more than this many standard errors of the difference of
+        #: the race medians; None: by more than the larger of the two spreads
+        self.favour_z = favour_z
         self.phase = "tuning"
         self.incumbent: Optional[Settings] = None
         self.incumbent_score = float("inf")
@@ -677,13 +696,14 @@ class Tuner:
 
     def stats(self) -> dict[str, Any]:
         """Phase, incumbent and its score, samples, rounds, every sample's record, once settled the median
-        period of the first window of the kept setting (what the drift checks compare with), and the
-        favoured setting (the cost model's pick, or None)."""
+        period of the first window of the kept setting (what the drift checks compare with), the
+        favoured setting (the cost model's pick, or None), the safe settings and ``favour_z``."""
         return {"phase": self.phase, "incumbent": self.incumbent.to_dict() if self.incumbent else None,
                 "incumbent_median_s": self.incumbent_score if self.incumbent else None,
                 "samples": self.samples, "rounds": self.rounds, "history": list(self.history),
                 "settled_reference_s": self._reference[0] if self._reference else None,
-                "favoured": self.favoured.to_dict() if self.favoured else None}
+                "favoured": self.favoured.to_dict() if self.favoured else None,
+                "safe": [x.to_dict() for x in self.safe], "favour_z": self.favour_z}
 
     # ----------------------------------------------------------------- internals
     def _replace_incumbent(self, settings: Settings, periods: list[float]) -> None:
@@ -701,9 +721,10 @@ class Tuner:
         others = {s: location(p) for s, p in self._by_setting.items() if s != inc and p}
         limit = self.incumbent_score * (1 + self.race_margin)
         runners = [s for s in sorted(others, key=others.get) if others[s] <= limit][: self.race_width - 1]
-        fav = self.favoured
+        fav = self._race_favoured(inc, others)
         if fav is not None and fav != inc and fav in others and fav not in runners:
-            # the model's pick races whatever its search samples scored (one slow moment must not lose it)
+            # the model's pick (or the safe setting) races whatever its search samples scored (one slow moment
+            # must not lose it)
             runners = [fav, *runners][: self.race_width - 1]
         if not runners:
             queue = [inc] * self.race_samples
@@ -712,11 +733,12 @@ class Tuner:
         else:
             base = [*runners, inc]
             queue = [x for i in range(self.race_samples) for x in (base if i % 2 == 0 else base[::-1])]
-            against = ", ".join(f"{s.describe()} ({others[s] * 1e3:.2f} ms"
-                                + (", the model's pick)" if s == fav else ")") for s in runners)
+            label = ", the model's pick)" if fav == self.favoured else ", DDP's engine, the safe choice)"
+            against = ", ".join(f"{s.describe()} ({others[s] * 1e3:.2f} ms" + (label if s == fav else ")")
+                                for s in runners)
             what = (f"{why}; race: {inc.describe()} ({self.incumbent_score * 1e3:.2f} ms) against the runner"
                     f"{'-up' if len(runners) == 1 else 's-up'} {against}, {self.race_samples} fresh samples each")
-        self._race = _Race(queue[1:], why, block=queue if runners else [])
+        self._race = _Race(queue[1:], why, block=queue if runners else [], favoured=fav)
         return self._next_sample(step, what, race=queue[0])
 
     def _race_sample(self, step: int, cur: _Sample, record: dict[str, Any]) -> Decision:
@@ -736,10 +758,11 @@ class Tuner:
         medians = {s: location(p) for s, p in race.periods.items() if s in race.block or not race.block}
         if self.race_extend and race.block:
             a, b = sorted(medians, key=lambda s: (medians[s], s != self.incumbent))[:2]
-            if self._favoured_holds(race, medians, a) and self.favoured not in (a, b):
-                b = self.favoured  # the question is whether the leader beats the model's pick, not the runner-up
+            if self._favoured_holds(race, medians, a) and race.favoured not in (a, b):
+                b = race.favoured  # the question is whether the leader beats the favoured one, not the runner-up
             block = [s for s in race.block if s in (a, b)]
-            noise = max(spread(race.periods[a]), spread(race.periods[b]))
+            noise = self._margin(race, a, b) if race.favoured in (a, b) else \
+                max(spread(race.periods[a]), spread(race.periods[b]))
             if abs(medians[a] - medians[b]) <= noise and self.samples + len(block) <= self.max_samples:
                 # unresolved: the samples the search left unused decide it
                 race.extensions += 1
@@ -751,30 +774,49 @@ class Tuner:
         self._race = None
         old, searched = self.incumbent, self.incumbent_score
         kept = min(medians, key=lambda s: (medians[s], s != old))
-        favoured_kept = kept != self.favoured and self._favoured_holds(race, medians, kept)
+        favoured_kept = kept != race.favoured and self._favoured_holds(race, medians, kept)
         if favoured_kept:
-            kept = self.favoured  # not beaten by more than the noise: the model's pick stays
+            kept = race.favoured  # not beaten by more than the noise: the model's pick (or the safe one) stays
         self._replace_incumbent(kept, race.periods[kept])
         self.history.append({"step": step, "verdict": "race: replaced" if kept != old else "race: kept",
                              "settings": kept.to_dict(), "median_s": self.incumbent_score,
                              "spread_s": self.incumbent_spread, "search_median_s": searched,
                              "race_medians_s": {s.describe(): m for s, m in medians.items()},
-                             "race_extensions": race.extensions, "favoured_kept": favoured_kept})
+                             "race_extensions": race.extensions, "favoured_kept": favoured_kept,
+                             "race_favoured": race.favoured.to_dict() if race.favoured else None})
         against = "; ".join(f"{s.describe()} {m * 1e3:.2f} ms" for s, m in medians.items())
         outcome = (f"keeping {kept.describe()}" if kept == old else
                    f"the runner-up {kept.describe()} replaces {old.describe()}")
         if favoured_kept:
-            outcome += " (the model's pick, not beaten by more than the noise)"
+            outcome += (" (the model's pick" if race.favoured == self.favoured else " (DDP's engine, the safe choice") \
+                + ", not beaten by more than the noise)"
         return self._settle(step, f"stop ({race.why}): race medians {against}: {outcome}, kept at "
                                   f"{self.incumbent_score * 1e3:.2f} ms (the search's score {searched * 1e3:.2f} ms)")
 
     def _favoured_holds(self, race: _Race, medians: dict[Settings, float], leader: Settings) -> bool:
-        """Whether the favoured setting is still in the race (``medians``) and ``leader``'s race median beats
-        its own by no more than their noise (the larger :func:`spread` of the two settings' race periods)."""
-        fav = self.favoured
+        """Whether the race's favoured setting is still in it (``medians``) and ``leader``'s race median beats
+        its own by no more than :meth:`_margin`."""
+        fav = race.favoured
         if fav is None or fav not in medians:
             return False
-        return medians[fav] - medians[leader] <= max(spread(race.periods[fav]), spread(race.periods[leader]))
+        return medians[fav] - medians[leader] <= self._margin(race, fav, leader)
+
+    def _margin(self, race: _Race, a: Settings, b: Settings) -> float:
+        """How far one of ``a``, ``b`` must lead the other in the race to beat the favoured one: ``favour_z``
+        standard errors of the difference of their race medians (each median's :func:`spread`), or without
+        ``favour_z`` the larger of the two spreads."""
+        sa, sb = spread(race.periods[a]), spread(race.periods[b])
+        return max(sa, sb) if self.favour_z is None else self.favour_z * math.hypot(sa, sb)
+
+    def _race_favoured(self, inc: Settings, others: dict[Settings, float]) -> Optional[Settings]:
+        """The setting the final race keeps unless beaten beyond the noise: the model's pick, else the safe
+        setting with the lowest score in this round's search (the incumbent's its own), else None."""
+        if self.favoured is not None:
+            return self.favoured
+        scores = {s: v for s, v in others.items() if s in self.safe}
+        if inc in self.safe:
+            scores[inc] = self.incumbent_score
+        return min(scores, key=lambda s: (scores[s], s != inc)) if scores else None
 
     def _next_sample(self, step: int, why: str, confirm: Settings | None = None,
                      recheck: Settings | None = None, again: Settings | None = None,

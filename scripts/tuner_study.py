@@ -37,7 +37,8 @@ LEAD_STARTS = (SETTINGS[0], SETTINGS[4], SETTINGS[-2], SETTINGS[-1])
 
 def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise: float, after: int,
             slow_share: float = 0.0, slow_by: float = 0.0, race_extend: bool = False, race_width: int = 2,
-            race_margin: float = 0.05, lead: float | None = None, favoured: str = "none") -> dict:
+            race_margin: float = 0.05, lead: float | None = None, favoured: str = "none",
+            favour_z: float | None = None) -> dict:
     rng = random.Random(seed)
     if lead is None:
         true = {s: 0.25 * (1 + rng.uniform(0, 0.12)) for s in SETTINGS}
@@ -64,6 +65,8 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
     if favoured != "none":  # the cost model's pick: the best setting ("right") or another start ("wrong")
         best = min(true, key=true.get)
         race["favoured"] = best if favoured == "right" else next(s for s in starts[::-1] if s != best)
+        if favour_z is not None:  # beaten only beyond favour_z standard errors (else the larger spread)
+            race["favour_z"] = favour_z
     tuner = Tuner(starts[0], extra_starts=starts[1:], sampler=Cycle(), **race)
     running, m, next_decision, pending, first = SETTINGS[0], 0.0, 2, None, True
     settled = None
@@ -87,11 +90,12 @@ def one_run(seed: int, race_samples: int, rho: float, machine: float, step_noise
 
 
 def study(runs: int, race_samples: int, race_extend: bool = False, race_width: int = 2, race_margin: float = 0.05,
-          favoured: str = "none", **noise) -> dict:
+          favoured: str = "none", favour_z: float | None = None, **noise) -> dict:
     out = [one_run(seed, race_samples, race_extend=race_extend, race_width=race_width, race_margin=race_margin,
-                   favoured=favoured, **noise) for seed in range(runs)]
+                   favoured=favoured, favour_z=favour_z, **noise) for seed in range(runs)]
     excess = sorted(r["excess"] for r in out)
     return {"race_samples": race_samples, "race_extend": race_extend, "race_width": race_width, "favoured": favoured,
+            "favour_z": favour_z,
             "race_margin": race_margin, "runs": runs, "missed_share": sum(r["excess"] > 0 for r in out) / runs,
             "excess_mean": statistics.mean(excess),
             "excess_p90": excess[int(0.9 * runs)], "score_bias_mean": statistics.mean(r["bias"] for r in out),
@@ -118,23 +122,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--favoured", default="none",
                    help="comma-separated: none, right (the cost model's pick, Tuner(favoured=...), is the best "
                         "setting), wrong (it is another start); each with every race_samples > 0")
+    p.add_argument("--favour-z", default="none",
+                   help="comma-separated favour_z values (none: the larger spread) for each favoured run")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     share, by = (float(x) for x in a.slow.split(","))
     noise = dict(rho=a.rho, machine=a.machine, step_noise=a.step, after=a.after, slow_share=share, slow_by=by,
                  lead=a.lead)
-    rows = [study(a.runs, int(r), extend, race_width=int(w), race_margin=a.margin, favoured=f, **noise)
+    zs = [None if z == "none" else float(z) for z in a.favour_z.split(",")]
+    rows = [study(a.runs, int(r), extend, race_width=int(w), race_margin=a.margin, favoured=f, favour_z=z, **noise)
             for r in a.race.split(",")
             for extend in ((False, True) if a.extend and int(r) else (False,))
             for w in (a.width.split(",") if int(r) else ("2",))
-            for f in (a.favoured.split(",") if int(r) else ("none",))]
+            for f in (a.favoured.split(",") if int(r) else ("none",))
+            for z in (zs if f != "none" else (None,))]
     print(f"noise: machine {a.machine:.1%} (AR {a.rho}), per step {a.step:.1%}, {share:.0%} of steps {by:.0%} "
           f"slower; {a.runs} runs each")
     print(f"race_margin {a.margin:.0%}" + (f"; 4 starts, one {a.lead:.0%} ahead of every other setting"
                                             if a.lead is not None else ""))
-    print("race width  favoured  excess mean  excess p90  missed  score bias  samples  settled at  re-tuned")
+    print("race width  favoured  favour_z  excess mean  excess p90  missed  score bias  samples  settled at  re-tuned")
     for r in rows:
+        z = "-" if r["favour_z"] is None else f"{r['favour_z']:g}"
         print(f"{r['race_samples']:>3}{'+' if r['race_extend'] else ' '}  {r['race_width']:>4}  {r['favoured']:>8}  "
+              f"{z:>8}  "
               f"{r['excess_mean']:>10.2%}  {r['excess_p90']:>10.2%}  {r['missed_share']:>6.0%}  "
               f"{r['score_bias_mean']:>+10.2%}  {r['samples_mean']:>7.1f}  {r['settled_at_step_mean']:>10.0f}  "
               f"{r['retuned_share']:>8.0%}")

@@ -260,10 +260,12 @@ PLAN_TIME_LIMIT_S = 10.0
 #: in-process ``"planned"`` model when no ``topology=`` is given; pass the one ``commsched probe`` measures.
 DEFAULT_BANDWIDTH = "10gbit"
 #: The tuner's settings (docs/tuning.md): 1 settle + 4 scored steps per sample, at most 20 samples, ending
-#: in a final race of 2 fresh samples each of the incumbent and up to 2 runners-up within 8 % of its score.
+#: in a final race of 2 fresh samples each of the incumbent and up to 2 runners-up within 8 % of its score; the
+#: favoured setting there (the model's pick, else the best-scored of torch's reducer starts) is kept unless beaten by
+#: more than 1.28 standard errors of the difference (one-sided, about 90 %).
 TUNER_OPTIONS: dict[str, Any] = dict(sample_steps=4, settle=1, max_samples=20, min_gain=0.02, drift=0.05,
                                      check_every=50, race_samples=2, race_extend=True, race_width=3,
-                                     race_margin=0.08)
+                                     race_margin=0.08, favour_z=1.28)
 #: ``"auto"`` measures the planner's plan first where the model predicts it this much ahead of the
 #: advised runtime setting, else not at all; None: the planner's own margin (``PlanSearch.min_gain``,
 #: the model's measured error).
@@ -808,7 +810,8 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         threshold (:data:`DDP_SMALL_BUCKET_BYTES`) and with DDP's default bucket (:data:`DDP_BUCKET_BYTES`).
         Where the planner, weighing the reducer at those buckets, names DDP's engine (communication hidden in
         the model), that reducer start is the tuner's ``favoured``: it races at the end whatever its search
-        samples scored, and only a setting faster by more than the noise replaces it."""
+        samples scored, and only a setting faster by more than the noise replaces it. Where the model picks
+        nothing, the reducer starts are the tuner's ``safe`` settings: the best-scored of them is favoured so."""
         cross, direct = self._requested.cross_iteration, self._requested.direct_start
         own = Settings("dynamic", self._requested.partition_bytes, self._requested.credit_bytes,
                        self._requested.fusion_bytes, cross_iteration=cross, direct_start=direct)
@@ -844,8 +847,10 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
                                       or s.cross_iteration in space.cross_iterations else cross)
                   for s in found.starts] or [own]
         favoured = found.favoured if found.favoured in ddp else None  # one of the starts, so the search measures it
+        # Where the model picks nothing, DDP's own engine is the safe choice: commsched's path replaces it only
+        # where it measured faster beyond the noise ("nobody loses by turning commsched on")
         return Tuner(starts[0], extra_starts=(*starts[1:], own, *twin, *last), space=space, favoured=favoured,
-                     **TUNER_OPTIONS)
+                     safe=ddp if why_not is None else (), **TUNER_OPTIONS)
 
     def _with_plan(self, decision: Decision) -> Decision:
         """Rank 0: a decision to run a planned start carries its plan, for every rank."""

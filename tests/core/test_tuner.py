@@ -688,6 +688,67 @@ def test_the_models_pick_races_whatever_its_search_sample_scored_and_stays_unles
     assert beaten.history[-1]["favoured_kept"] is False
 
 
+def test_where_the_model_picks_nothing_the_best_scored_safe_setting_is_favoured_in_the_race():
+    """gpt2 (2026-12-07, forty-third session): the model names no engine, the race put commsched's `dynamic`
+    against plain fifo, torch's reducer (searched in a slow moment) never raced, and `dynamic` ran 0.915x
+    `ddp:4`. With ``safe`` (the plugin's reducer starts) the best-scored of them races and stays unless
+    beaten beyond the noise; commsched's own path, clearly faster, still replaces it."""
+    r1 = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, MIB, cross_iteration=False)
+    r4 = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, 4 * MIB, cross_iteration=False)
+
+    def objective(fifo_s: float):
+        seen = {r1: 0}
+
+        def f(s: Settings) -> float:
+            if s == r1:
+                seen[s] += 1
+                return 0.112 if seen[s] <= 5 else 0.100  # its search sample falls in a slow moment
+            return {DEFAULT: 0.100, FIFO_PLAIN: fifo_s, r4: 0.130}.get(s, 0.2)
+        return f
+
+    def raced(tuner):
+        return {Settings.from_dict(h["settings"]) for h in tuner.history if h.get("verdict") == "race"}
+
+    options = dict(extra_starts=(FIFO_PLAIN, r1, r4), sampler=Always(FIFO_PLAIN), race_samples=2, race_extend=True,
+                   race_width=3, race_margin=0.08, favour_z=1.28)
+    blind = Tuner(DEFAULT, **options)
+    drive(blind, objective(0.1005), 400)
+    assert r1 not in raced(blind) and blind.incumbent != r1, blind.history[-1]
+    for seed in range(1, 4):
+        safe = Tuner(DEFAULT, safe=(r1, r4), **options)
+        out = drive(safe, objective(0.1005), 400, seed=seed)
+        last = safe.history[-1]
+        assert last["race_favoured"] == r1.to_dict(), last  # the safe one with the lowest search score
+        assert r1 in raced(safe) and safe.incumbent == r1 and out["running"] == r1, last
+        assert safe.samples <= 20 and safe.stats()["favoured"] is None
+    beaten = Tuner(DEFAULT, safe=(r1, r4), **options)
+    drive(beaten, objective(0.080), 400)
+    assert r1 in raced(beaten) and beaten.incumbent == FIFO_PLAIN, beaten.history[-1]
+    assert beaten.history[-1]["favoured_kept"] is False
+
+
+def test_favour_z_asks_a_lead_beyond_the_standard_error_of_the_difference_of_the_race_medians():
+    """Loopback (2026-12-07, forty-third session): `static` with 25 MiB fusion led the favoured reducer's race
+    median by 36 ms where the larger spread was 34 ms, so it replaced it, and ran 7 % behind it afterwards.
+    ``favour_z=1.28`` asks z x sqrt(s_f^2 + s_l^2) (one-sided ~90 %): the same race keeps the reducer."""
+    from commsched.tuner import _Race
+    reducer = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, MIB, cross_iteration=False)
+    static = Settings("static", UNLIMITED_BYTES, UNLIMITED_BYTES, 25 * MIB)
+    race = _Race([], "test", favoured=reducer)  # that run's race periods (ms)
+    race.periods = {reducer: [p / 1e3 for p in (520, 556, 735, 712, 553, 475, 468, 557)],
+                    static: [p / 1e3 for p in (515, 626, 504, 791, 549, 459, 469, 473)]}
+    medians = {s: location(p) for s, p in race.periods.items()}
+    assert 0.030 < medians[reducer] - medians[static] < 0.040
+    assert not Tuner(DEFAULT)._favoured_holds(race, medians, static)  # the larger spread: replaced
+    assert Tuner(DEFAULT, favour_z=1.28)._favoured_holds(race, medians, static)  # kept
+    race.periods[static] = [p - 0.030 for p in race.periods[static]]  # 66 ms ahead: beyond 1.28 SE (59 ms)
+    medians = {s: location(p) for s, p in race.periods.items()}
+    assert not Tuner(DEFAULT, favour_z=1.28)._favoured_holds(race, medians, static)
+    for bad in (0, -1.0, True, "1.28", 12.0):
+        with pytest.raises(ValueError, match="favour_z"):
+            Tuner(DEFAULT, favour_z=bad)
+
+
 def test_the_models_pick_cuts_the_kept_excess_where_it_is_right_and_costs_little_where_it_is_wrong():
     """The study's case for auto (``--lead 0.03 --favoured``): 4 starts, one 3 % ahead, a machine wandering
     6 % (AR 0.97). Favouring the best start keeps it in more runs and with less excess than favouring
@@ -701,6 +762,11 @@ def test_the_models_pick_cuts_the_kept_excess_where_it_is_right_and_costs_little
     assert right["excess_mean"] < 0.5 * none["excess_mean"] and right["missed_share"] < none["missed_share"], \
         (none, right)
     assert wrong["excess_mean"] < none["excess_mean"] + 0.01 and wrong["samples_max"] <= 20, (none, wrong)
+    # beaten only beyond 1.28 standard errors (the plugin's favour_z): no worse where right, < a point where wrong
+    right_z = study(200, 2, favoured="right", favour_z=1.28, **common, **noise)
+    wrong_z = study(200, 2, favoured="wrong", favour_z=1.28, **common, **noise)
+    assert right_z["excess_mean"] <= right["excess_mean"], (right, right_z)
+    assert wrong_z["excess_mean"] < none["excess_mean"] + 0.01 and wrong_z["samples_max"] <= 20, (none, wrong_z)
 
 
 def test_where_the_planner_names_ddps_engine_the_reducer_is_the_models_pick_not_a_plan():

@@ -170,10 +170,14 @@ def test_auto_measures_torchs_reducer_among_its_starts_and_ddps_shape_where_it_c
     assert all(not s["cross_iteration"] for s in reducers)
     switched = [s["settings"] for s in stats["tuner"]["switches"] if s["settings"]]
     assert any(s["ordering"] == REDUCER for s in switched)  # every rank switched to it at an agreed step
+    # DDP's engine is the tuner's safe choice (favoured in the race where the model picks nothing)
+    assert sorted(s["fusion_bytes"] for s in stats["tuner"]["safe"]) == \
+        sorted(optimizer_module.REDUCER_BUCKETS), stats["tuner"]["favoured"]
     model = TwoHeads()
     model.head = "b"  # the recorded steps leave a parameter without a gradient: no reducer
     measured, stats = measured_starts(model)
     assert not [s for s in measured if s["ordering"] == REDUCER], measured
+    assert stats["tuner"]["safe"] == []  # commsched's own DDP shape is no safe choice: nothing favoured
     for bucket in (1 << 20, 25 << 20):  # DDP's shape inside commsched instead: ddp:1's bucket, DDP's default
         ddp_like = [s for s in measured if s["ordering"] == "fifo" and s["fusion_bytes"] == bucket]
         assert ddp_like and not ddp_like[0]["cross_iteration"], (bucket, measured)
