@@ -104,7 +104,7 @@ RESULT_KEYS = ("strategy", "status", "reason", "measured_steps", "step_time_s", 
 ROUND_KEYS = ("round", "position", "status", "step_time_s", "step_time_iqr_s", "speedup_vs_baseline",
               "cpu_busy", "cpu_steal", "plan", "tuner", "step_times_s", "rerun_steal")
 #: Keys of ``results[].rounds[].tuner`` (``auto``: what that round's tuner kept; ``null`` otherwise).
-ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history", "favoured")
+ROUND_TUNER_KEYS = ("kept", "score_s", "samples", "verdict", "history", "favoured", "favoured_by")
 #: Keys of ``results[].rounds[].plan`` (``planned``: the plan that round ran; ``null`` otherwise).
 ROUND_PLAN_KEYS = ("digest", "predicted_step_s", "groups", "pieces", "credit_bytes", "algorithms", "order", "plan_s",
                    "profile_drift", "engine", "bucket_bytes", "planner_order", "planner_digest")
@@ -543,7 +543,8 @@ def round_tuner(stats: Any) -> dict[str, Any] | None:
     """What an ``auto`` round's tuner kept (:data:`ROUND_TUNER_KEYS`): the setting, its score (after
     the final race: the race's fresh median), the samples, the last verdict, and every sample of the
     round as ``[setting, median_s, spread_s, verdict]`` (why a round kept what it kept: only the
-    representative round keeps its whole ``stats``), and the cost model's pick the race favoured (or None);
+    representative round keeps its whole ``stats``), and the setting the race favoured (or None) with
+    ``favoured_by`` "model" (the cost model's pick) or "safe" (DDP's engine where the model picks nothing);
     None for other strategies."""
     tuner = stats.get("tuner") if isinstance(stats, dict) else None
     if not isinstance(tuner, dict) or not tuner.get("incumbent"):
@@ -551,10 +552,14 @@ def round_tuner(stats: Any) -> dict[str, Any] | None:
     history = tuner.get("history") or []
     samples = [[Settings.from_dict(h["settings"]).describe() if h.get("settings") else None, h.get("median_s"),
                 h.get("spread_s"), h.get("verdict")] for h in history]
+    # the setting the final race favoured: the model's pick, else (since the forty-fourth session) the safe one
+    raced = next((h["race_favoured"] for h in reversed(history) if h.get("race_favoured")), None)
+    favoured = raced or tuner.get("favoured")
+    by = None if not favoured else "model" if favoured == tuner.get("favoured") else "safe"
     return {"kept": Settings.from_dict(tuner["incumbent"]).describe(), "score_s": tuner.get("incumbent_median_s"),
             "samples": tuner.get("samples"), "verdict": history[-1].get("verdict") if history else None,
-            "history": samples,
-            "favoured": Settings.from_dict(tuner["favoured"]).describe() if tuner.get("favoured") else None}
+            "history": samples, "favoured": Settings.from_dict(favoured).describe() if favoured else None,
+            "favoured_by": by}
 
 
 def _cpu_fields(ranks: list[dict]) -> dict[str, Any]:
@@ -1087,7 +1092,8 @@ def rounds_table(results: list[dict], interleaved: bool = False) -> list[str]:
             t = x["tuner"]
             lines.append(f"- {name} round {x['round']}: {t['kept']}, scored {_fmt(t['score_s'], '.3f')} s, measured "
                          f"{_fmt(x['step_time_s'], '.3f')} s; {t['samples']} samples, last verdict {t['verdict']}"
-                         + (f"; the model's pick: {t['favoured']}" if t.get("favoured") else ""))
+                         + ((f"; the model's pick: {t['favoured']}" if t.get("favoured_by") != "safe" else
+                             f"; favoured as the safe choice: {t['favoured']}") if t.get("favoured") else ""))
     reruns = rounds_with("rerun_steal")
     if reruns:
         lines += ["", "Rounds run again because the hypervisor took CPU (--max-steal; the steal of each run "

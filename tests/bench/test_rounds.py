@@ -122,12 +122,14 @@ def test_each_planned_round_keeps_the_plan_it_ran():
            "credit 2.00 MiB, ring, fixed order; profile scaled +25.0% to this run's compute" in text
 
 
-def _auto(steps, rnd, kept, score, verdict, favoured=None):
+def _auto(steps, rnd, kept, score, verdict, favoured=None, safe=None):
     phase = _phase("auto", steps, rnd)
+    raced = favoured or safe
     phase.ranks[0]["stats"] = {"tuner": {"incumbent": kept.to_dict(), "incumbent_median_s": score, "samples": 20,
                                          "history": [{"verdict": "race"},
                                                      {"settings": kept.to_dict(), "median_s": score,
-                                                      "spread_s": 0.01, "verdict": verdict}],
+                                                      "spread_s": 0.01, "verdict": verdict,
+                                                      "race_favoured": raced.to_dict() if raced else None}],
                                          "favoured": favoured.to_dict() if favoured else None}}
     return phase
 
@@ -140,7 +142,9 @@ def test_each_auto_round_keeps_what_its_tuner_kept_and_scored():
     fifo = Settings("fifo", UNLIMITED_BYTES, UNLIMITED_BYTES, 256 << 10)
     dyn = Settings("dynamic", 1 << 20, 4 << 20, 256 << 10)
     ddp = [_phase("ddp", [1.0] * 4, r) for r in range(3)]
-    auto = [_auto([0.9] * 4, 0, fifo, 0.88, "race: replaced"), _auto([1.1] * 4, 1, dyn, 0.95, "race: kept"),
+    reducer = Settings("reducer", UNLIMITED_BYTES, UNLIMITED_BYTES, 1 << 20, cross_iteration=False)
+    auto = [_auto([0.9] * 4, 0, fifo, 0.88, "race: replaced"),
+            _auto([1.1] * 4, 1, dyn, 0.95, "race: kept", safe=reducer),
             _auto([0.91] * 4, 2, fifo, 0.9, "race: kept", favoured=fifo)]
     report = _report([ddp, auto])
     a = report["results"][1]
@@ -152,8 +156,10 @@ def test_each_auto_round_keeps_what_its_tuner_kept_and_scored():
                                                   [dyn.describe(), 0.95, 0.01, "race: kept"]]
     assert ("- auto round 2: dynamic partition=1MiB credit=4MiB fusion=256KiB, scored 0.950 s, measured 1.100 s; "
             "20 samples, last verdict race: kept") in markdown(report)
-    assert [x["tuner"]["favoured"] for x in a["rounds"]] == [None, None, fifo.describe()]
+    assert [x["tuner"]["favoured"] for x in a["rounds"]] == [None, reducer.describe(), fifo.describe()]
+    assert [x["tuner"]["favoured_by"] for x in a["rounds"]] == [None, "safe", "model"]
     assert f"verdict race: kept; the model's pick: {fifo.describe()}" in markdown(report)
+    assert f"verdict race: kept; favoured as the safe choice: {reducer.describe()}" in markdown(report)
 
 
 def test_a_failed_round_is_listed_warned_and_left_out_of_the_figures():
