@@ -646,6 +646,24 @@ def test_a_three_wide_race_keeps_the_best_start_more_often_over_many_noisy_runs(
     assert three["missed_share"] < two["missed_share"] and three["samples_max"] <= 20, (two, three)
 
 
+def slow_in_its_search(slow: Settings, fifo_s: float, others: dict | None = None):
+    """A step period per setting where ``slow`` takes 0.112 s in its first 5 periods (its search sample falls in a
+    slow moment) and 0.100 s after; ``DEFAULT`` 0.100 s, ``FIFO_PLAIN`` ``fifo_s``, ``others`` theirs, the rest 0.2."""
+    seen, table = {slow: 0}, {DEFAULT: 0.100, FIFO_PLAIN: fifo_s, **(others or {})}
+
+    def f(s: Settings) -> float:
+        if s == slow:
+            seen[s] += 1
+            return 0.112 if seen[s] <= 5 else 0.100
+        return table.get(s, 0.2)
+    return f
+
+
+def raced(tuner: Tuner) -> set:
+    """The settings that ran in ``tuner``'s final race."""
+    return {Settings.from_dict(h["settings"]) for h in tuner.history if h.get("verdict") == "race"}
+
+
 def test_the_models_pick_races_whatever_its_search_sample_scored_and_stays_unless_clearly_beaten():
     """Compute-heavy's case (2026-12-07, forty-first session): torch's reducer, the planner's pick where
     communication is hidden, scored 0.506-0.520 s in its search samples in a slow moment (more than the
@@ -655,17 +673,7 @@ def test_the_models_pick_races_whatever_its_search_sample_scored_and_stays_unles
     reducer = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, MIB, cross_iteration=False)
 
     def objective(fifo_s: float):
-        seen = {reducer: 0}
-
-        def f(s: Settings) -> float:
-            if s == reducer:
-                seen[s] += 1
-                return 0.112 if seen[s] <= 5 else 0.100  # its search sample falls in a slow moment
-            return {DEFAULT: 0.100, FIFO_PLAIN: fifo_s}.get(s, 0.2)
-        return f
-
-    def raced(tuner):
-        return {Settings.from_dict(h["settings"]) for h in tuner.history if h.get("verdict") == "race"}
+        return slow_in_its_search(reducer, fifo_s)
 
     options = dict(extra_starts=(FIFO_PLAIN, reducer), sampler=Always(FIFO_PLAIN), race_samples=2, race_extend=True,
                    race_width=3, race_margin=0.08)
@@ -697,17 +705,7 @@ def test_where_the_model_picks_nothing_the_best_scored_safe_setting_is_favoured_
     r4 = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, 4 * MIB, cross_iteration=False)
 
     def objective(fifo_s: float):
-        seen = {r1: 0}
-
-        def f(s: Settings) -> float:
-            if s == r1:
-                seen[s] += 1
-                return 0.112 if seen[s] <= 5 else 0.100  # its search sample falls in a slow moment
-            return {DEFAULT: 0.100, FIFO_PLAIN: fifo_s, r4: 0.130}.get(s, 0.2)
-        return f
-
-    def raced(tuner):
-        return {Settings.from_dict(h["settings"]) for h in tuner.history if h.get("verdict") == "race"}
+        return slow_in_its_search(r1, fifo_s, {r4: 0.130})
 
     options = dict(extra_starts=(FIFO_PLAIN, r1, r4), sampler=Always(FIFO_PLAIN), race_samples=2, race_extend=True,
                    race_width=3, race_margin=0.08, favour_z=1.28)
