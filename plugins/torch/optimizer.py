@@ -896,6 +896,12 @@ class DistributedOptimizer(torch.optim.Optimizer, Closeable):
         gradient submitted so far is reduced and applied first; fusion groups are made anew.
         ``reducer_bytes``: torch's reducer, with buckets of that size, reduces from the next forward on
         (the step boundary: its last backward, if it ran one, finished in ``step()``)."""
+        if not isinstance(self._engine, _Reusable):
+            # closing the old scheduler would close the process group the next one (and torch's reducer) needs:
+            # torch's Reducer then crashes the process (SIGSEGV in ProcessGroup::getDefaultBackend)
+            raise CommschedError(f"this DistributedOptimizer (ordering={self._requested.ordering!r}) cannot change "
+                                 "its settings during training: only ordering='auto', and 'planned' with a plan "
+                                 "that names torch's reducer, switch at a step boundary; make a new optimizer")
         self.synchronize()
         self._close_reducer()
         old = self._scheduler

@@ -121,6 +121,21 @@ def test_a_step_that_leaves_a_parameter_without_a_gradient_is_an_error_naming_th
     opt.close()
 
 
+def test_an_optimizer_of_a_fixed_ordering_refuses_a_settings_switch_instead_of_crashing():
+    # its scheduler owns the process group: a switch would close it, and torch's Reducer built on the closed group
+    # crashed the process (SIGSEGV, 2026-12-07, driving _apply_decision from a script)
+    from commsched.tuner import Decision
+    model = TwoHeads()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="torch",
+                               config=commsched.SchedulerConfig(ordering="fifo", timeout_s=30))
+    train(opt, model, 2)
+    reducer = Settings(REDUCER, UNLIMITED_BYTES, UNLIMITED_BYTES, 1 << 20, cross_iteration=False)
+    with pytest.raises(CommschedError, match="ordering='fifo'.*cannot change its settings.*ordering='auto'"):
+        opt._apply_decision(5, Decision(reducer, None, "test"))
+    train(opt, model, 1, start=2)  # nothing was closed: it trains on
+    opt.close()
+
+
 def test_the_reducer_is_refused_where_it_cannot_run_and_says_why():
     model = TwoHeads()
     model.head = "b"
