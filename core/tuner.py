@@ -761,8 +761,7 @@ class Tuner:
             if self._favoured_holds(race, medians, a) and race.favoured not in (a, b):
                 b = race.favoured  # the question is whether the leader beats the favoured one, not the runner-up
             block = [s for s in race.block if s in (a, b)]
-            noise = self._margin(race, a, b) if race.favoured in (a, b) else \
-                max(spread(race.periods[a]), spread(race.periods[b]))
+            noise = self._margin(race, a, b, favoured=race.favoured in (a, b))
             if abs(medians[a] - medians[b]) <= noise and self.samples + len(block) <= self.max_samples:
                 # unresolved: the samples the search left unused decide it
                 race.extensions += 1
@@ -801,12 +800,12 @@ class Tuner:
             return False
         return medians[fav] - medians[leader] <= self._margin(race, fav, leader)
 
-    def _margin(self, race: _Race, a: Settings, b: Settings) -> float:
-        """How far one of ``a``, ``b`` must lead the other in the race to beat the favoured one: ``favour_z``
-        standard errors of the difference of their race medians (each median's :func:`spread`), or without
-        ``favour_z`` the larger of the two spreads."""
+    def _margin(self, race: _Race, a: Settings, b: Settings, favoured: bool = True) -> float:
+        """How far one of ``a``, ``b`` must lead the other in the race to be ahead beyond the noise: where one of
+        them is the favoured one, ``favour_z`` standard errors of the difference of their race medians (each
+        median's :func:`spread`); else, or without ``favour_z``, the larger of the two spreads."""
         sa, sb = spread(race.periods[a]), spread(race.periods[b])
-        return max(sa, sb) if self.favour_z is None else self.favour_z * math.hypot(sa, sb)
+        return self.favour_z * math.hypot(sa, sb) if favoured and self.favour_z is not None else max(sa, sb)
 
     def _race_favoured(self, inc: Settings, others: dict[Settings, float]) -> Optional[Settings]:
         """The setting the final race keeps unless beaten beyond the noise: the model's pick, else the safe
