@@ -270,10 +270,16 @@ class Plan:
             if p.name in algorithms:
                 raise ValueError(f"plan: piece {p.name!r} is listed twice")
             algorithms[p.name] = p.algorithm
+        # each piece under its group's name (the name before its last '#'), in one pass over the pieces: a scan
+        # of every piece per group took ~0.9 s for each plan of a 70B decoder (~720 groups, ~1,000 pieces), half
+        # of `commsched advise --model gpt-70b --cluster 16x8`'s 22 s (its greedy grid builds 12 plans)
+        named: dict[str, set[str]] = {}
+        for name in algorithms:
+            named.setdefault(name.rsplit("#", 1)[0], set()).add(name)
         for g in self.groups:
             n = len(self.bounds(g))
             want = {f"{g.name}#{i}" for i in range(n)}
-            have = {name for name in algorithms if name.rsplit("#", 1)[0] == g.name}
+            have = named.get(g.name, set())
             if want != have:
                 raise ValueError(f"plan: group {g.name!r} has {n} pieces at {g.partition_bytes} B but the plan "
                                  f"orders {sorted(have)[:5]}; each piece must appear exactly once")

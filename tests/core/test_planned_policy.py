@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import re
 import threading
 
 import pytest
@@ -272,6 +273,20 @@ def test_a_plan_without_an_order_field_is_fixed_and_an_unknown_order_is_refused(
     assert Plan.from_json(str(path)).order == "priority"
     with pytest.raises(ValueError, match=r"order='random'; known: fixed, priority"):
         make_plan(issue="random")
+
+
+def test_a_plan_must_order_each_piece_of_each_group_exactly_once():
+    # a is cut into 3 pieces at 16 B: one left out, one past the cut, or one twice is refused, naming the group
+    for order in ([(SMALL, 0), ("a", 0), ("a", 1)], [(SMALL, 0), ("a", 0), ("a", 1), ("a", 2), ("a", 3)]):
+        with pytest.raises(ValueError, match=r"group 'a' has 3 pieces at 16 B but the plan orders .*exactly once"):
+            make_plan(order=order)
+    with pytest.raises(ValueError, match=r"piece 'a#1' is listed twice"):
+        make_plan(order=[(SMALL, 0), ("a", 0), ("a", 1), ("a", 1), ("a", 2)])
+    with pytest.raises(ValueError, match=re.escape(f"group {SMALL!r} has 1 pieces")):
+        make_plan(order=[("a", 0), ("a", 1), ("a", 2)])
+    with pytest.raises(ValueError, match=r"group 'a' has 1 pieces"):  # uncut at 48 B: a#0 alone
+        make_plan(a_piece=48)
+    assert make_plan(a_piece=48, order=[(SMALL, 0), ("a", 0)]).bounds("a") == [(0, 12)]
 
 
 def test_ranks_of_an_inprocess_world_run_a_priority_order_plan_in_rank_zeros_order():
