@@ -28,7 +28,8 @@ Search, in stages (each records its best step time in ``PlanResult.stages``):
   rule (``ring``, ``hierarchical``, or the faster of the two per piece);
 * ``sizes`` — coordinate descent on each group's own piece size (×¼, ×4), EDD order;
 * ``milp`` — order and algorithm of every unit (a piece, or a run of pieces of one
-  group when there are more than ``milp_units``) by a mixed-integer programme solved
+  group when there are more than ``milp_units``, or of consecutive groups in forward order
+  when the groups alone are more) by a mixed-integer programme solved
   by HiGHS with a time limit (status, objective, bound and gap reported), warm-started
   from the best EDD order; then the credit again for that order;
 * ``margin`` — if the best is not ahead of the runtime default's EDD plan by more than
@@ -379,7 +380,14 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _units(pieces: list[tuple[str, int, int]], limit: int) -> list[list[tuple[str, int, int]]]:
-    """Pieces, or runs of consecutive pieces of one group, so that there are at most about ``limit``."""
+    """Pieces, or runs of consecutive pieces of one group, so that there are at most about ``limit``. Where the
+    groups alone outnumber ``limit`` (a 70B decoder's plan has ~720 unfused tensors), runs of consecutive pieces
+    in forward order across groups, at most ``limit`` of them: one unit per piece or per group there gave the
+    MILP ~260,000 order binaries and a solve of 33 s against its 5 s time limit, most of it building the model."""
+    groups = len({name for name, _, _ in pieces})
+    if groups > limit:
+        per = -(-len(pieces) // limit)
+        return [pieces[k:k + per] for k in range(0, len(pieces), per)]
     per = 1
     while True:
         units: list[list[tuple[str, int, int]]] = []
@@ -418,8 +426,11 @@ def solve_order(profile: Profile, topology: Topology, groups: list[PlanGroup], w
     algos = tuple(a for a in algorithms if topology.nodes > 1 and topology.ranks_per_node > 1) or ("ring",)
     duration = [[sum(allreduce_s(topology, b, a) + cpu for _, _, b in unit) if topology.world_size > 1 else 0.0
                  for a in algos] for unit in units]
-    release = [max(ready[layer_of[t]] for t in group_by_name[unit[0][0]].tensors) for unit in units]
-    unit_layers = [sorted({layer_of[t] for t in group_by_name[unit[0][0]].tensors}) for unit in units]
+    # a unit may run across groups (:func:`_units`): ready when its last group is, carrying every group's layers
+    release = [max(ready[layer_of[t]] for g in {name for name, _, _ in unit} for t in group_by_name[g].tensors)
+               for unit in units]
+    unit_layers = [sorted({layer_of[t] for g in {name for name, _, _ in unit} for t in group_by_name[g].tensors})
+                   for unit in units]
     backward_end = profile.backward_s + profile.step_overhead_s
     big_m = backward_end + max(release) + sum(max(d) for d in duration) + profile.forward_s + profile.apply_s
 

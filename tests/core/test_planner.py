@@ -138,6 +138,20 @@ def test_the_milp_reports_a_gap_and_keeps_the_warm_start_at_its_time_limit():
     assert report["time_limit_s"] == 0.3
 
 
+def test_the_milp_runs_across_groups_where_the_groups_alone_outnumber_its_units():
+    # 12 groups of 4 pieces, at most 6 units: runs of 8 consecutive pieces (two groups each), not 12 units or 48
+    prof = model([[1 * MB]] * 12)
+    groups = make_groups(prof, 0, 256 * KB)
+    warm, _ = greedy_plan(prof, two_level(), groups, 4 * MB, "ring")
+    order, algorithms, report = solve_order(prof, two_level(), groups, warm, time_limit_s=2.0, max_units=6)
+    assert report["units"] == 6 and report["binaries"] == 6 * 2 + 15  # 2 algorithms per unit, 15 pairs
+    assert sorted(order) == sorted((p.task, p.index) for p in warm.pieces)  # every piece once
+    assert report["objective_s"] <= report["warm_objective_s"] + 1e-9
+    milp = Plan(warm.model, warm.groups, tuple(type(warm.pieces[0])(t, i, algorithms[f"{t}#{i}"]) for t, i in order),
+                warm.credit_bytes, warm.nodes, warm.ranks_per_node)
+    assert simulate(prof, two_level(), "planned", plan=milp).step_time_s > 0
+
+
 # ---------------------------------------------------------------- search
 @pytest.mark.parametrize("topo", [flat(), flat(4, 1.25e9), two_level(), two_level(intra=100e6)],
                          ids=["flat-1gbit", "flat-10gbit", "2x2", "2x2-slow-intra"])
