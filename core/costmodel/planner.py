@@ -427,10 +427,10 @@ def solve_order(profile: Profile, topology: Topology, groups: list[PlanGroup], w
     duration = [[sum(allreduce_s(topology, b, a) + cpu for _, _, b in unit) if topology.world_size > 1 else 0.0
                  for a in algos] for unit in units]
     # a unit may run across groups (:func:`_units`): ready when its last group is, carrying every group's layers
-    release = [max(ready[layer_of[t]] for g in {name for name, _, _ in unit} for t in group_by_name[g].tensors)
-               for unit in units]
-    unit_layers = [sorted({layer_of[t] for g in {name for name, _, _ in unit} for t in group_by_name[g].tensors})
-                   for unit in units]
+    unit_tensors = [[t for g in dict.fromkeys(name for name, _, _ in unit) for t in group_by_name[g].tensors]
+                    for unit in units]
+    release = [max(ready[layer_of[t]] for t in tensors) for tensors in unit_tensors]
+    unit_layers = [sorted({layer_of[t] for t in tensors}) for tensors in unit_tensors]
     backward_end = profile.backward_s + profile.step_overhead_s
     big_m = backward_end + max(release) + sum(max(d) for d in duration) + profile.forward_s + profile.apply_s
 
